@@ -1,0 +1,3 @@
+from flare.cli.ignition import main
+
+raise SystemExit(main())

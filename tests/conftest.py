@@ -1,0 +1,26 @@
+"""Shared test fixtures. No test needs a GPU or the network; every test gets its own home directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared"
+STORIES260K = SHARED / "fixtures" / "stories260k"
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path_factory, monkeypatch) -> Path:
+    """Point the home directory at a fresh folder so no test reads or writes the user's config or caches."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def stories260k() -> Path:
+    if not STORIES260K.is_dir():
+        pytest.fail(f"the stories260k fixture is missing at {STORIES260K} (shared/ must sit beside the checkout)")
+    return STORIES260K
