@@ -1,0 +1,87 @@
+"""The chat template: turns a conversation into the prompt text the model was trained on.
+
+Templates are Jinja, as in Hugging Face checkpoints, rendered in a sandbox. The template comes from the
+frontend assets (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`). A base model
+without one (such as stories260k) gets a plain `role: text` layout so chat endpoints still work.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered by this template (the message says why)."""
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, Mapping):                 # {"content": "<s>", ...} in older tokenizer configs
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+def _raise(message: str):
+    raise ChatTemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False,
+                                                                              indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._template = env.from_string(source)
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> "ChatTemplate":
+        """The template shipped with a tokenizer directory, or the plain layout when it has none."""
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        source = None
+        jinja_path = directory / "chat_template.jinja"
+        if jinja_path.is_file():
+            source = jinja_path.read_text()
+        elif isinstance(config.get("chat_template"), str):
+            source = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):    # named templates: use "default"
+            named = {t.get("name"): t.get("template") for t in config["chat_template"]}
+            source = named.get("default") or next(iter(named.values()), None)
+        return cls(source or PLAIN_TEMPLATE, _token_text(config.get("bos_token")),
+                   _token_text(config.get("eos_token")))
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The prompt text for `messages` (each a dict with at least `role` and string `content`)."""
+        if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+            raise ChatTemplateError("continue_final_message needs the last message to be the assistant's")
+        try:
+            text = self._template.render(messages=list(messages), bos_token=self.bos_token,
+                                         eos_token=self.eos_token,
+                                         add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                         **kwargs)
+        except ChatTemplateError:
+            raise
+        except Exception as error:                  # a template bug or an unexpected message layout
+            raise ChatTemplateError(f"the chat template failed on this conversation: {error}") from error
+        if continue_final_message:                   # end the prompt where the assistant's text ends
+            final = str(messages[-1].get("content") or "")
+            cut = text.rfind(final)
+            if cut >= 0:
+                text = text[:cut + len(final)]
+        return text

@@ -1,0 +1,76 @@
+"""The serving frontend: tokenizer and chat template behind the few calls the routes need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from flare.frontend.chat_template import ChatTemplate
+
+
+class _TokenizersAdapter:
+    """A `tokenizers.Tokenizer` with the small interface the routes use (when no richer one is given)."""
+
+    def __init__(self, directory: Path) -> None:
+        import json
+
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        eos_ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            path = directory / name
+            if path.is_file():
+                value = json.loads(path.read_text()).get("eos_token_id")
+                eos_ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+        self.eos_token_ids = tuple(sorted(eos_ids))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@dataclass
+class ServingFrontend:
+    tokenizer: Any                   # encode(text, add_special_tokens), decode(ids), eos_token_ids
+    chat_template: ChatTemplate
+    _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> "ServingFrontend":
+        """Load the tokenizer and chat template from a frontend directory (package assets or checkpoint)."""
+        directory = Path(directory)
+        try:
+            from flare.frontend.tokenizer import load_tokenizer
+        except ImportError:
+            tokenizer = _TokenizersAdapter(directory)
+        else:
+            tokenizer = load_tokenizer(directory)
+        return cls(tokenizer, ChatTemplate.from_dir(directory))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **template_kwargs)
+        # The template writes the special tokens (BOS) itself; adding them again would double them.
+        return self.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs report it (cached: the vocabulary is fixed)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text

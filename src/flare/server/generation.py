@@ -1,0 +1,255 @@
+"""What every route shares: admission checks, sampling parameters, and running requests on the engine.
+
+The engine client speaks token ids in and `RequestOutput`s out:
+    generate(request_id, prompt_token_ids, SamplingParams) -> async iterator of RequestOutput
+    abort(request_id)                   (plain or async)
+A request that ends early (client gone, server stopping) is aborted at once so its KV pages are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from flare.engine.outputs import RequestOutput, TokenLogprob
+from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from flare.server.errors import APIError, bad_request
+from flare.server.metrics import ServerMetrics
+from flare.server.settings import ServerSettings
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+async def _maybe_await(value: Any) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+@dataclass(frozen=True)
+class RequestedSampling:
+    """The sampling and stop fields as a request wrote them (None: not given)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+
+
+@dataclass
+class Completion:
+    """One finished sequence, gathered from its stream of outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: tuple | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.new_text
+        self.token_ids.extend(output.new_token_ids)
+        self.logprobs.extend(output.new_logprobs)
+        self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = output.num_cached_tokens or self.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        if output.finished:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    values = (stop,) if isinstance(stop, str) else tuple(stop)
+    return tuple(value for value in values if value)
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    if not raw:
+        return ()
+    bias = []
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        bias.append((token_id, min(max(float(value), -100.0), 100.0)))
+    return tuple(bias)
+
+
+class Generation:
+    """Admission, sampling parameters and engine calls, shared by every API route."""
+
+    def __init__(self, engine: Any, frontend: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.frontend = frontend
+        self.settings = settings
+        self.metrics = metrics
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    def admit(self, prompt_len: int, max_tokens: int | None, n: int, max_tokens_field: str) -> int:
+        """The output limit this request gets; refuses in the section-6 form what cannot run."""
+        context = self.settings.max_model_len
+        if n < 1:
+            raise bad_request(f"n must be at least 1, got {n}", param="n")
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field)
+        if prompt_len >= context:
+            raise bad_request(
+                f"needs {prompt_len:,} prompt tokens + at least 1 output token; the model's maximum context "
+                f"length is {context:,} tokens (prepared into the package). Options: shorten the prompt "
+                f"to at most {context - 1:,} tokens.", param="messages", code="context_length_exceeded")
+        if max_tokens is None:          # as vLLM: whatever the context (and the page pool) leaves
+            max_tokens = max(1, min(context, self.settings.kv_tokens or context) - prompt_len)
+        elif prompt_len + max_tokens > context:
+            raise bad_request(
+                f"needs {prompt_len:,} prompt tokens + {max_tokens:,} output tokens = "
+                f"{prompt_len + max_tokens:,} tokens; the model's maximum context length is {context:,} tokens "
+                f"(prepared into the package). Options: {max_tokens_field} = {context - prompt_len:,} or less, "
+                f"or a shorter prompt.", param=max_tokens_field, code="context_length_exceeded")
+        kv_tokens = self.settings.kv_tokens
+        needed = prompt_len + max_tokens
+        # n samples queue in the engine when the pool is short; one sequence larger than the pool never runs.
+        if kv_tokens is not None and needed > kv_tokens:
+            raise bad_request(
+                f"needs {needed:,} KV cache tokens ({prompt_len:,} prompt + {max_tokens:,} output); "
+                f"the KV page pool holds {kv_tokens:,} tokens. Options: a lower {max_tokens_field}, a shorter "
+                f"prompt, or a larger pool with --kv-cache-limit memory or a higher --memory-limit.",
+                param=max_tokens_field, code="capacity_exceeded")
+        return max_tokens
+
+    # ---- sampling --------------------------------------------------------------------------------
+
+    def sampling_params(self, requested: RequestedSampling, max_tokens: int, index: int = 0) -> SamplingParams:
+        policy = self.settings.sampling
+        values: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = policy.resolve(name, getattr(requested, name))
+            if value is not None:
+                values[name] = int(value) if name == "top_k" else float(value)
+        stop_ids = tuple(requested.stop_token_ids)
+        if not requested.ignore_eos:
+            stop_ids += tuple(t for t in self.frontend.eos_token_ids if t not in stop_ids)
+        seed = None if requested.seed is None else requested.seed + index   # n samples must differ
+        try:
+            return SamplingParams(max_tokens=max_tokens, seed=seed, stop=tuple(requested.stop),
+                                  stop_token_ids=stop_ids, ignore_eos=requested.ignore_eos,
+                                  include_stop_str_in_output=requested.include_stop_str_in_output,
+                                  skip_special_tokens=requested.skip_special_tokens,
+                                  logit_bias=_logit_bias(requested.logit_bias), logprobs=requested.logprobs,
+                                  prompt_logprobs=requested.prompt_logprobs, **values)
+        except InvalidSamplingParams as error:
+            raise bad_request(str(error)) from None
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    async def stream_one(self, request_id: str, prompt_ids: Sequence[int],
+                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one sequence; aborts the request if the consumer stops early."""
+        arrival = last = time.monotonic()
+        produced = 0
+        finished = False
+        try:
+            async for output in self.engine.generate(request_id, list(prompt_ids), params):
+                if output.new_token_ids:
+                    now = time.monotonic()
+                    if produced == 0:
+                        self.metrics.time_to_first_token.observe(now - arrival)
+                    else:
+                        self.metrics.inter_token_latency.observe((now - last) / len(output.new_token_ids))
+                    produced += len(output.new_token_ids)
+                    last = now
+                if output.finished:
+                    finished = True
+                    self.metrics.prompt_tokens.inc(output.num_prompt_tokens)
+                    self.metrics.e2e_latency.observe(time.monotonic() - arrival)
+                yield output
+                if finished:
+                    return
+        finally:
+            self.metrics.generation_tokens.inc(produced)
+            if not finished:
+                await _maybe_await(self.engine.abort(request_id))
+
+    async def stream(self, request_id: str, prompts: Sequence[Sequence[int]],
+                     params: Sequence[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) for the sequences of one request, interleaved as they arrive.
+
+        Sequence i runs prompts[i] with params[i] (n samples of one prompt repeat the prompt).
+
+        Each sequence runs in its own task; closing this iterator cancels them all, which aborts
+        whatever is still running in the engine.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, prompt_ids: Sequence[int], sequence_params: SamplingParams) -> None:
+            try:
+                async for output in self.stream_one(f"{request_id}-{index}", prompt_ids, sequence_params):
+                    queue.put_nowait((index, output))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as error:     # hand engine failures to the consumer
+                queue.put_nowait((index, error))
+            finally:
+                queue.put_nowait((index, done))
+
+        tasks = [asyncio.create_task(pump(i, prompt, p)) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        running = len(tasks)
+        try:
+            while running:
+                index, item = await queue.get()
+                if item is done:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise APIError(500, f"the engine failed this request: {item}") from item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def complete(self, request_id: str, prompts: Sequence[Sequence[int]],
+                       params: Sequence[SamplingParams]) -> list[Completion]:
+        completions = [Completion() for _ in params]
+        stream = self.stream(request_id, prompts, params)
+        try:
+            async for index, output in stream:
+                completions[index].add(output)
+        finally:
+            await stream.aclose()
+        return completions
+
+
+def usage_numbers(completions: Sequence[Completion], prompt_len: int) -> tuple[int, int, int]:
+    """(prompt, completion, cached) token counts over the n samples of one prompt (counted once, as OpenAI)."""
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    cached = max((c.num_cached_tokens for c in completions), default=0)
+    return prompt_len, completion_tokens, cached

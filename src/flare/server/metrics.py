@@ -1,0 +1,70 @@
+"""Prometheus metrics, `flare_` names, one registry per app (so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0)
+
+
+def _stat(stats: Any, name: str) -> float | None:
+    value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+class _EngineCollector:
+    """Reads the engine's live numbers at scrape time, so they are never stale."""
+
+    def __init__(self, read_stats: Callable[[], Any]) -> None:
+        self._read_stats = read_stats
+
+    def collect(self):
+        try:
+            stats = self._read_stats() or {}
+        except Exception:                      # a scrape must not fail because the engine is busy loading
+            stats = {}
+        for name, key, text in (
+            ("flare_kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache pages in use"),
+            ("flare_num_requests_running", "num_running", "Requests the engine is computing"),
+            ("flare_num_requests_waiting", "num_waiting", "Requests queued in the engine"),
+            ("flare_kv_cache_tokens", "kv_tokens", "Tokens the KV page pool holds"),
+        ):
+            value = _stat(stats, key)
+            if value is not None:
+                family = GaugeMetricFamily(name, text)
+                family.add_metric([], value)
+                yield family
+
+
+class ServerMetrics:
+    def __init__(self, read_engine_stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("flare_requests", "Finished HTTP requests by API and outcome",
+                                ["api", "outcome"], registry=r)
+        self.prompt_tokens = Counter("flare_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("flare_generation_tokens", "Tokens generated", registry=r)
+        self.time_to_first_token = Histogram("flare_time_to_first_token_seconds",
+                                             "Time from arrival to the first output token",
+                                             buckets=_TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("flare_inter_token_latency_seconds",
+                                             "Time between consecutive output tokens of a request",
+                                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("flare_e2e_request_latency_seconds", "Time from arrival to the last token",
+                                     buckets=_E2E_BUCKETS, registry=r)
+        self.http_active = Gauge("flare_http_requests_active", "Generation requests in flight over HTTP",
+                                 registry=r)
+        r.register(_EngineCollector(read_engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

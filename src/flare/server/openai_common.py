@@ -1,0 +1,52 @@
+"""Pieces the OpenAI routes share: logprob shapes, usage, finish reasons, request fields."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from flare.engine.outputs import TokenLogprob
+from flare.server.generation import RequestedSampling, stop_strings
+from flare.server.schemas import SamplingFields
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; a token the sampler ruled out gets the most negative finite number, as vLLM does.
+    return value if math.isfinite(value) else -9999.0
+
+
+def token_entry(frontend: Any, token_id: int, logprob: float) -> dict:
+    text = frontend.token_text(token_id)
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(frontend: Any, logprobs: Sequence[TokenLogprob], top_k: int) -> dict:
+    """Chat Completions `logprobs`: one entry per generated token with its `top_logprobs`."""
+    content = []
+    for entry in logprobs:
+        item = token_entry(frontend, entry.token_id, entry.logprob)
+        item["top_logprobs"] = [token_entry(frontend, token_id, lp) for token_id, lp in entry.top[:top_k]]
+        content.append(item)
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return reason
+
+
+def requested_sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                       prompt_logprobs: int | None = None) -> RequestedSampling:
+    return RequestedSampling(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, seed=body.seed,
+        stop=stop_strings(body.stop), stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens, logit_bias=body.logit_bias, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, n=body.n)

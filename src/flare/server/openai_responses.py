@@ -1,0 +1,159 @@
+"""POST /v1/responses: OpenAI Responses, stateless (the whole conversation comes in `input`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from flare.frontend.chat_template import ChatTemplateError
+from flare.server import sse
+from flare.server.errors import bad_request
+from flare.server.generation import Completion, Generation, RequestedSampling, new_id
+from flare.server.openai_common import token_entry
+from flare.server.schemas import ResponsesRequest
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _item_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request("each input message needs `content`: a string or a list of text parts", param="input")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"input parts of type {kind!r} are not supported: this model reads text only",
+                              param="input")
+        texts.append(str(part.get("text") or ""))
+    return "".join(texts)
+
+
+def template_messages(body: ResponsesRequest) -> list[dict]:
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    if isinstance(body.input, str):
+        return messages + [{"role": "user", "content": body.input}]
+    for item in body.input:
+        kind = item.get("type", "message")
+        if kind == "reasoning":                        # earlier reasoning summaries carry no prompt text
+            continue
+        if kind != "message" or "role" not in item:
+            raise bad_request(f"input items of type {kind!r} are not supported; send messages with a role and "
+                              f"text content", param="input")
+        role = item["role"]
+        if role not in ("user", "assistant", "system", "developer"):
+            raise bad_request(f"unknown input role {role!r}", param="input")
+        messages.append({"role": "system" if role == "developer" else role, "content": _item_text(item.get("content"))})
+    return messages
+
+
+def _logprobs(gen: Generation, completion_logprobs, top_k: int) -> list[dict]:
+    entries = []
+    for entry in completion_logprobs:
+        item = token_entry(gen.frontend, entry.token_id, entry.logprob)
+        item["top_logprobs"] = [token_entry(gen.frontend, tid, lp) for tid, lp in entry.top[:top_k]]
+        entries.append(item)
+    return entries
+
+
+def _usage(prompt: int, generated: int, cached: int) -> dict:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + generated}
+
+
+class _Response:
+    """Builds the `response` object and the message item as a request moves through its states."""
+
+    def __init__(self, body: ResponsesRequest, response_id: str, message_id: str) -> None:
+        self.body = body
+        self.id = response_id
+        self.message_id = message_id
+        self.created_at = int(time.time())
+
+    def message(self, text: str, logprobs: list | None, status: str) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if logprobs is not None:
+            part["logprobs"] = logprobs
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
+
+    def envelope(self, status: str, output: list, usage: dict | None, finish_reason: str | None = None) -> dict:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": "incomplete" if incomplete else status, "model": body.model, "output": output,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
+                "parallel_tool_calls": False, "tool_choice": "auto", "tools": [], "previous_response_id": None,
+                "metadata": body.metadata or {}, "incomplete_details": incomplete, "error": None,
+                "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+                "background": False, "usage": usage}
+
+
+async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterator[str]:
+    if body.previous_response_id:
+        raise bad_request("previous_response_id is not supported: this server keeps no responses (it is "
+                          "stateless). Send the whole conversation in `input` instead.",
+                          param="previous_response_id")
+    try:
+        ids = gen.frontend.encode_chat(template_messages(body))
+    except ChatTemplateError as error:
+        raise bad_request(str(error), param="input") from None
+    max_tokens = gen.admit(len(ids), body.max_output_tokens, 1, "max_output_tokens")
+    want_logprobs = body.top_logprobs is not None or LOGPROBS_INCLUDE in (body.include or [])
+    top_k = body.top_logprobs or 0
+    requested = RequestedSampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                  top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                                  seed=body.seed, ignore_eos=body.ignore_eos,
+                                  logprobs=top_k if want_logprobs else None)
+    params = [gen.sampling_params(requested, max_tokens)]
+    response = _Response(body, new_id("resp_"), new_id("msg_"))
+    if body.stream:
+        return _stream(gen, response, ids, params, want_logprobs, top_k)
+    completion = (await gen.complete(response.id, [ids], params))[0]
+    logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
+    return _final(response, completion, logprobs, len(ids))
+
+
+def _final(response: _Response, completion: Completion, logprobs: list | None, prompt_len: int) -> dict:
+    status = "incomplete" if completion.finish_reason == "length" else "completed"
+    output = [response.message(completion.text, logprobs, status)]
+    return response.envelope("completed", output, _usage(prompt_len, len(completion.token_ids),
+                                                         completion.num_cached_tokens), completion.finish_reason)
+
+
+async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, top_k: int) -> AsyncIterator[str]:
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal sequence
+        payload = {"type": kind, "sequence_number": sequence, **fields}
+        sequence += 1
+        return sse.named_event(payload)
+
+    located = {"item_id": response.message_id, "output_index": 0}
+    empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    yield event("response.created", response=response.envelope("in_progress", [], None))
+    yield event("response.in_progress", response=response.envelope("in_progress", [], None))
+    yield event("response.output_item.added", output_index=0,
+                item={"id": response.message_id, "type": "message", "status": "in_progress", "role": "assistant",
+                      "content": []})
+    yield event("response.content_part.added", **located, content_index=0, part=empty_part)
+    completion = Completion()
+    async for _, output in gen.stream(response.id, [ids], params):
+        completion.add(output)
+        if output.new_text or output.new_logprobs:
+            delta_logprobs = _logprobs(gen, output.new_logprobs, top_k) if want_logprobs else []
+            yield event("response.output_text.delta", **located, content_index=0, delta=output.new_text,
+                        logprobs=delta_logprobs)
+    logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
+    final = _final(response, completion, logprobs, len(ids))
+    item = final["output"][0]
+    yield event("response.output_text.done", **located, content_index=0, text=completion.text,
+                logprobs=logprobs or [])
+    yield event("response.content_part.done", **located, content_index=0, part=item["content"][0])
+    yield event("response.output_item.done", output_index=0, item=item)
+    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=final)

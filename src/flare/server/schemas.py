@@ -1,0 +1,134 @@
+"""Request bodies of the four APIs, as pydantic models.
+
+Unknown fields are ignored (clients send vendor extras); fields of the wrong type fail validation,
+which the app answers with a 400 in the caller's own error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Body):
+    """The sampling and stop fields OpenAI-style requests share (vLLM's extensions included)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+# ---- OpenAI Chat Completions -------------------------------------------------------------------
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ---- OpenAI Completions ------------------------------------------------------------------------
+
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# ---- OpenAI Responses --------------------------------------------------------------------------
+
+class ResponsesRequest(_Body):
+    model: str
+    input: Union[str, list[dict[str, Any]]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM's extensions, for clients that tune them
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+# ---- Anthropic Messages ------------------------------------------------------------------------
+
+class AnthropicBlock(_Body):
+    type: str
+    text: str | None = None
+    content: Union[str, list[dict[str, Any]], None] = None   # tool_result blocks carry their text here
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant", "system"]
+    content: Union[str, list[AnthropicBlock]]
+
+
+class AnthropicCountTokensRequest(_Body):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[AnthropicBlock], None] = None
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
