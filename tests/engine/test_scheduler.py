@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import fake_continuation
+from fake_runner import fake_continuation
 
 from flare.engine.core import EngineCore
 from flare.engine.request import EngineRequest
