@@ -1,0 +1,24 @@
+"""Engine test fixtures."""
+
+from __future__ import annotations
+
+import pytest
+from fake_runner import FakeRunner
+
+from flare.engine.config import EngineConfig
+from flare.engine.core import EngineCore
+
+
+@pytest.fixture
+def make_fake_core():
+    """Build EngineCores over a FakeRunner; after the test each one's page integrity check must pass."""
+    cores: list[EngineCore] = []
+
+    def make(**settings) -> EngineCore:
+        core = EngineCore(EngineConfig(**settings), FakeRunner(), eos_token_ids=())
+        cores.append(core)
+        return core
+
+    yield make
+    for core in cores:
+        core.check_integrity()
