@@ -58,7 +58,7 @@ def export_entry(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity,
     if weight_mode not in WEIGHT_MODES:
         raise UsageError(f"unknown weight mode {weight_mode!r}")
     model_key = model_key_for(spec.model_id)
-    entry = EntryId(model_key, _new_version(cache, model_key))
+    entry = EntryId(model_key, new_version(cache, model_key))
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
@@ -84,7 +84,7 @@ def export_entry(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity,
         return cache.publish(tree, entry, select=select)
 
 
-def _new_version(cache: ModelCache, model_key: str) -> str:
+def new_version(cache: ModelCache, model_key: str) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     version, suffix = stamp, 1
     while cache.entry_path(EntryId(model_key, version)).exists():
