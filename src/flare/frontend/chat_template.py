@@ -34,7 +34,7 @@ def _raise(message: str):
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", from_model: bool = True) -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -44,6 +44,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source = source
+        self.from_model = from_model             # False: the plain layout stands in for a missing template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._template = env.from_string(source)
@@ -63,7 +64,7 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in config["chat_template"]}
             source = named.get("default") or next(iter(named.values()), None)
         return cls(source or PLAIN_TEMPLATE, _token_text(config.get("bos_token")),
-                   _token_text(config.get("eos_token")))
+                   _token_text(config.get("eos_token")), from_model=source is not None)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **kwargs: Any) -> str:

@@ -32,7 +32,8 @@ class ServingState:
 
     def __init__(self, engine: Any, frontend: Any, settings: ServerSettings) -> None:
         self.settings = settings
-        self.metrics = ServerMetrics(self.engine_stats)
+        self.last_stats: Any = {}
+        self.metrics = ServerMetrics(lambda: self.last_stats)
         self.generation = Generation(engine, frontend, settings, self.metrics)
         self.ready = engine is not None
         self.draining = False
@@ -46,9 +47,14 @@ class ServingState:
         self.generation.frontend = frontend
         self.ready = True
 
-    def engine_stats(self) -> Any:
-        stats = getattr(self.engine, "stats", None)
-        return stats() if callable(stats) else {}
+    async def engine_stats(self) -> Any:
+        """The engine's numbers now (its `stats()` may be plain or async); also kept for /metrics."""
+        read = getattr(self.engine, "stats", None)
+        stats = read() if callable(read) else {}
+        if inspect.isawaitable(stats):
+            stats = await stats
+        self.last_stats = stats
+        return stats
 
 
 class SSEResponse(StreamingResponse):
@@ -263,15 +269,16 @@ def build_app(engine: Any, frontend: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        try:
+            await state.engine_stats()
+        except Exception:                      # a scrape still answers while the engine is unavailable
+            pass
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/engine/stats")
     async def engine_stats() -> JSONResponse:
         """The engine's own numbers, including its KV page integrity check (for operators and tests)."""
-        stats = state.engine_stats()
-        if inspect.isawaitable(stats):
-            stats = await stats
-        return JSONResponse(_jsonable(stats))
+        return JSONResponse(_jsonable(await state.engine_stats()))
 
     return app
 

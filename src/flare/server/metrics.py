@@ -22,6 +22,13 @@ def _stat(stats: Any, name: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def _as_dict(stats: Any) -> dict:
+    if isinstance(stats, dict):
+        return stats
+    fields = getattr(stats, "__dataclass_fields__", None)
+    return {name: getattr(stats, name) for name in fields} if fields else {}
+
+
 class _EngineCollector:
     """Reads the engine's live numbers at scrape time, so they are never stale."""
 
@@ -33,11 +40,16 @@ class _EngineCollector:
             stats = self._read_stats() or {}
         except Exception:                      # a scrape must not fail because the engine is busy loading
             stats = {}
+        if _stat(stats, "kv_cache_usage") is None and _stat(stats, "kv_pages_total"):
+            stats = dict(_as_dict(stats))
+            stats["kv_cache_usage"] = _stat(stats, "kv_pages_used") / _stat(stats, "kv_pages_total")
         for name, key, text in (
             ("flare_kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache pages in use"),
             ("flare_num_requests_running", "num_running", "Requests the engine is computing"),
             ("flare_num_requests_waiting", "num_waiting", "Requests queued in the engine"),
-            ("flare_kv_cache_tokens", "kv_tokens", "Tokens the KV page pool holds"),
+            ("flare_kv_cache_pages_used", "kv_pages_used", "KV cache pages in use"),
+            ("flare_kv_cache_pages_total", "kv_pages_total", "KV cache pages allocated"),
+            ("flare_num_preemptions", "num_preemptions", "Requests preempted to free KV pages, in total"),
         ):
             value = _stat(stats, key)
             if value is not None:

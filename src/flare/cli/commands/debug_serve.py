@@ -1,11 +1,64 @@
-"""Placeholder: this command is not implemented yet."""
+"""`ignition debug-serve [MODEL]`: prepare a checkpoint and serve it in one process, writing no package.
 
-from flare.errors import UsageError
+For diagnosing model and preparation faults; export a package and `flare run` it for real serving.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 
 def configure(parser):
-    pass
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="recipe alias, Hugging Face repository id (org/name[@revision]) or checkpoint "
+                             "directory (default: defaults.model)")
+    parser.add_argument("--host", metavar="ADDR", help="listening address (default: server.host, else 127.0.0.1)")
+    parser.add_argument("--port", type=int, metavar="N", help="listening port (default: server.port, else 8000)")
+    parser.add_argument("--max-concurrency", type=int, metavar="N",
+                        help="maximum simultaneously active requests (default: defaults.max_concurrency, "
+                             "else the recipe default)")
+    parser.add_argument("--served-model-name", metavar="ALIAS", help="serve under this alias instead")
+    parser.add_argument("--api-key-file", type=Path, metavar="PATH",
+                        help="file containing the API key; an empty file disables authentication")
 
 
-def run(args):
-    raise UsageError("this command is not implemented yet")
+def run(args) -> int:
+    from flare.server.launch import DebugOptions, ListenerOptions, debug_serve
+    from flare.server.settings import SamplingPolicy
+
+    configuration = getattr(args, "configuration", None)
+    if configuration is None:
+        from flare.config import load_config
+
+        configuration = load_config(getattr(args, "config", None))
+    directory, facts = _resolve(args.model, configuration)
+    listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                               api_key_file=args.api_key_file, max_concurrency=args.max_concurrency)
+    options = DebugOptions(checkpoint_dir=directory, canonical_id=facts.model_id,
+                           served_names=facts.served_names or (facts.model_id,), listener=listener,
+                           config=configuration, recipe_concurrency=facts.default_concurrency,
+                           page_size=facts.page_size, prefill_chunk=facts.prefill_chunk,
+                           sampling=SamplingPolicy(facts.sampling_defaults, facts.sampling_ranges))
+    return debug_serve(options)
+
+
+def _resolve(model: str | None, configuration):
+    """MODEL to a local checkpoint directory and what its recipe says about serving it."""
+    from flare.errors import UsageError
+    from flare.prepare import RecipeFacts
+
+    try:
+        from flare.resolve import fetch, resolve_model
+    except ImportError:
+        resolve_model = None
+    if resolve_model is not None:
+        resolved = resolve_model(model, configuration)
+        directory = Path(fetch(resolved))
+        checkpoint = getattr(resolved, "checkpoint", None)
+        model_id = getattr(checkpoint, "served_name", None) or (
+            resolved.repo_id.split("/")[-1] if getattr(resolved, "repo_id", None) else directory.name)
+        return directory, RecipeFacts.from_recipe(resolved.recipe, checkpoint, model_id=model_id)
+    if not model or not Path(model).is_dir():
+        raise UsageError("MODEL must be a checkpoint directory in this build (model resolution is not available)")
+    directory = Path(model).resolve()
+    return directory, RecipeFacts(name="generic", model_id=directory.name, served_names=(directory.name,))

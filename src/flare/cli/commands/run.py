@@ -1,11 +1,59 @@
-"""Placeholder: this command is not implemented yet."""
+"""`flare run PACKAGE`: verify, load and serve a prepared package over the OpenAI and Anthropic APIs."""
 
-from flare.errors import UsageError
+from __future__ import annotations
+
+from pathlib import Path
 
 
 def configure(parser):
-    pass
+    parser.add_argument("package", metavar="PACKAGE",
+                        help="a package path, or MODEL[@VERSION] from the Flare model cache")
+    listen = parser.add_argument_group("listener")
+    listen.add_argument("--host", metavar="ADDR",
+                        help="listener IP address, IPv4 or IPv6 (default: [server] host, otherwise 127.0.0.1)")
+    listen.add_argument("--port", type=int, metavar="N", help="listener port (default: [server] port, otherwise 8000)")
+    listen.add_argument("--served-model-name", metavar="ALIAS",
+                        help="replace the package's serving aliases with this nonblank alias")
+    listen.add_argument("--api-key-file", type=Path, metavar="PATH",
+                        help="file containing the serving API key; an empty file disables authentication "
+                             "(default: [server] api_key, otherwise no authentication)")
+    capacity = parser.add_argument_group("capacity and memory")
+    capacity.add_argument("--max-concurrency", type=int, metavar="N",
+                          help="reduce concurrency within the package's prepared capacity "
+                               "(default: model/default configuration, otherwise the package default)")
+    capacity.add_argument("--kv-cache-limit", choices=("concurrency", "context", "memory"), default="memory",
+                          help="bound shared KV history by context times concurrency, one context, or "
+                               "available memory (default: memory)")
+    capacity.add_argument("--memory-limit", metavar="LIMIT",
+                          help="per-GPU occupied size (30G), free-memory reserve (-30G) or fraction of total "
+                               "memory (0.8) (default: [memory] reserve, otherwise the package's reserve)")
+    trust = parser.add_argument_group("package trust")
+    from flare.package.trust import add_trust_arguments
+
+    add_trust_arguments(trust)
+    trust.add_argument("--offline", action="store_true",
+                       help="skip the online publisher check and any repository lookup")
+    trust.add_argument("--model-cache", type=Path, metavar="PATH",
+                       help="Flare prepared-model cache (default: paths.package_cache, otherwise "
+                            "~/.cache/flare/packages)")
 
 
-def run(args):
-    raise UsageError("this command is not implemented yet")
+def run(args) -> int:
+    from flare.package.trust import trust_options_from_args
+    from flare.server.launch import ListenerOptions, RunOptions, run_package
+
+    listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                               api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
+                               kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit)
+    options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
+                         config=_configuration(args), model_cache=args.model_cache)
+    return run_package(options)
+
+
+def _configuration(args):
+    configuration = getattr(args, "configuration", None)
+    if configuration is None:
+        from flare.config import load_config
+
+        configuration = load_config(getattr(args, "config", None))
+    return configuration
