@@ -44,3 +44,96 @@ class ThreadServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+ENTRY_CODE = "import sys; from flare.cli.{tool} import main; sys.exit(main())"
+
+
+def cli_command(tool: str, *args: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-c", ENTRY_CODE.format(tool=tool), *args]
+
+
+def cli_env(home) -> dict:
+    import os
+
+    env = dict(os.environ)
+    env["HOME"] = str(home)
+    env["PYTHONPATH"] = str(REPO_ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def export_package(checkpoint, home, *flags: str) -> str:
+    """`ignition export CHECKPOINT` into `home`'s model cache; returns the printed entry path."""
+    import subprocess
+
+    config = home / ".config" / "flare" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    if not config.exists():
+        config.write_text("# test configuration\n")
+    done = subprocess.run(cli_command("ignition", "export", str(checkpoint), *flags), env=cli_env(home),
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"ignition export failed ({done.returncode}):\n{done.stderr}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def development_fingerprint(home) -> str:
+    from flare.package.signing import Profile
+
+    return Profile.load(home / ".config" / "flare" / "development-publisher.json").keys[0].fingerprint
+
+
+class FlareProcess:
+    """A real `flare run` subprocess on 127.0.0.1 and a free port; stderr is kept for assertions."""
+
+    def __init__(self, home, target: str, *flags: str) -> None:
+        self.home = home
+        self.port = free_port()
+        self.log_path = home / f"flare-run-{self.port}.log"
+        self.args = cli_command("flare", "run", target, "--host", "127.0.0.1", "--port", str(self.port),
+                                "--offline", "--dangerously-approve-key", development_fingerprint(home),
+                                "--dangerously-accept-publisher", "local-development", *flags)
+        self.process = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def start(self, timeout: float = 120) -> "FlareProcess":
+        import subprocess
+
+        self.log_file = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.args, env=cli_env(self.home), stdout=self.log_file,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"flare run exited with {self.process.returncode}:\n{self.log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"flare run did not become healthy:\n{self.log}")
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except Exception:
+                self.process.kill()
+                self.process.wait()
+        self.log_file.close()
+        return self.process.returncode

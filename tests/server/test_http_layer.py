@@ -199,3 +199,14 @@ def test_every_endpoint_answers_in_its_own_shape(oai, claude):
     assert final.content[0].text == plain.content[0].text and final.usage.output_tokens == 4
     count = claude.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert count.input_tokens > 0
+
+
+def test_health_is_503_until_an_engine_is_attached(stories260k):
+    frontend = ServingFrontend.from_dir(stories260k)
+    app = build_app(None, frontend, ServerSettings(("tiny",), "tiny", 512, 4))
+    with ThreadServer(app) as server:
+        assert httpx.get(server.url + "/health").status_code == 503
+        reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert reply.status_code == 503 and "loading" in reply.json()["error"]["message"]
+        app.state.serving.attach_engine(StandinEngine(frontend), frontend)
+        assert httpx.get(server.url + "/health").status_code == 200

@@ -38,6 +38,7 @@ class ServingFrontend:
     tokenizer: Any                   # encode(text, add_special_tokens), decode(ids), eos_token_ids
     chat_template: ChatTemplate
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+    _anchor: list[int] | None = field(default=None, repr=False)
 
     @classmethod
     def from_dir(cls, directory: Path) -> "ServingFrontend":
@@ -72,5 +73,12 @@ class ServingFrontend:
         """One token's text, as logprobs report it (cached: the vocabulary is fixed)."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            # Decoded after an anchor token, so a SentencePiece word-start token keeps its leading space
+            # (decoded alone it would lose it) and the tokens of a reply concatenate to the reply's text.
+            if self._anchor is None:
+                self._anchor = (self.encode("a", add_special_tokens=False) or [token_id])[:1]
+            prefix = self.tokenizer.decode(self._anchor)
+            both = self.tokenizer.decode(self._anchor + [token_id])
+            text = both[len(prefix):] if both.startswith(prefix) else self.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
         return text

@@ -336,6 +336,8 @@ def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: soc
             state.draining = True
             state.ready = False
             super().handle_exit(sig, frame)
+            # uvicorn re-raises a handled signal after shutdown; the drain is the intended exit, status 0
+            self._captured_signals.clear()
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=None,
                             limit_concurrency=None, backlog=2048)
