@@ -28,8 +28,8 @@ RECIPE = Recipe(
     concurrency=ConcurrencyRange(minimum=1, default=8, maximum=64),
     page_size=16,
     prefill_chunk=512,
-    decode_capacities=DECODE_CAPACITIES,
+    decode_capacities=tuple(size for size in DECODE_CAPACITIES if size <= 64),
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="the demo has no draft model: speculation is unavailable"),
+                            note="the demo has no draft model"),
     sampling=SAMPLING,
 )

@@ -54,6 +54,6 @@ RECIPE = Recipe(
     prefill_chunk=2048,
     decode_capacities=DECODE_CAPACITIES,
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Llama 3.x ships no draft model: speculation is unavailable"),
+                            note="Llama 3.x ships no draft model"),
     sampling=SAMPLING,
 )

@@ -39,6 +39,6 @@ RECIPE = Recipe(
     prefill_chunk=2048,                        # as Llama: bounds how long a chunk stalls active decodes
     decode_capacities=DECODE_CAPACITIES,
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Mistral 7B ships no draft model: speculation is unavailable"),
+                            note="Mistral 7B ships no draft model"),
     sampling=SAMPLING,
 )

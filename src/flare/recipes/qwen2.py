@@ -54,7 +54,7 @@ RECIPE = Recipe(
     prefill_chunk=4096,                        # spec section 4: 4,096 tokens for Qwen
     decode_capacities=DECODE_CAPACITIES,
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Qwen2.5 ships no draft model: speculation is unavailable"),
+                            note="Qwen2.5 ships no draft model"),
     sampling=SAMPLING,
     sampling_by_alias={"qwen2.5-0.5b-instruct": SMALL_SAMPLING},
 )

@@ -57,6 +57,6 @@ RECIPE = Recipe(
     prefill_chunk=4096,
     decode_capacities=DECODE_CAPACITIES,
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Qwen3 dense ships no draft model: speculation is unavailable"),
+                            note="Qwen3 dense ships no draft model"),
     sampling=SAMPLING,
 )
