@@ -104,7 +104,8 @@ class HubServer:
         self.bodies_served: list[str] = []  # repository-relative paths of file bodies sent
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._http.daemon_threads = True
-        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="test-hub", daemon=True)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="test-hub", daemon=True)
 
     @property
     def port(self) -> int:
@@ -365,7 +366,8 @@ def write_checkpoint(folder: Path, architecture: str = "LlamaForCausalLM", shard
         names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
         for name in names:
             write_safetensors(folder / name, shard_bytes)
-        index = {"metadata": {"total_size": shards * shard_bytes}, "weight_map": {f"w{i}": n for i, n in enumerate(names)}}
+        weight_map = {f"w{i}": name for i, name in enumerate(names)}
+        index = {"metadata": {"total_size": shards * shard_bytes}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     for name, content in (extra or {}).items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)

@@ -6,11 +6,13 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hub_server import TEST_TOKEN, fake_commit, hub, write_checkpoint  # noqa: F401  (hub is a fixture)
 
+from flare.config import Config, HubConfig, default_paths
 from flare.errors import FetchError, UsageError
 from flare.hub import (
     HubOptions,
@@ -54,8 +56,8 @@ def test_reads_config_and_single_file_size_without_downloading_tensors(hub, tmp_
     assert metadata.requested_revision == "main"
     assert metadata.hf_config["architectures"] == ["LlamaForCausalLM"]
     assert metadata.weights.files == ("model.safetensors",)
-    stored = (tmp_path.glob("ckpt-*/model.safetensors").__next__()).stat().st_size
-    assert metadata.weights.total_bytes == stored
+    [published] = tmp_path.glob("ckpt-*/model.safetensors")
+    assert metadata.weights.total_bytes == published.stat().st_size
     assert hub.safetensors_bodies_served == []
     assert metadata.snapshot is None
 
@@ -273,7 +275,8 @@ def test_explicit_options_win_over_hf_variables_read_at_import(hub, tmp_path, ca
     script = (
         "import sys; from pathlib import Path; import huggingface_hub\n"
         "from flare.hub import HubOptions, download_snapshot\n"
-        f"print(download_snapshot({REPO!r}, {commit!r}, HubOptions(endpoint={hub.url!r}, cache_dir=Path({str(cache)!r}))))\n"
+        f"options = HubOptions(endpoint={hub.url!r}, cache_dir=Path({str(cache)!r}))\n"
+        f"print(download_snapshot({REPO!r}, {commit!r}, options))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -282,8 +285,6 @@ def test_explicit_options_win_over_hf_variables_read_at_import(hub, tmp_path, ca
     assert hub.requests and all(r.authorization is None for r in hub.requests)
 
 
-def _config(endpoint: str, cache: Path, token_file: Path | None):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(paths=SimpleNamespace(hub_cache=cache),
-                           hub=SimpleNamespace(endpoint=endpoint, token_file=token_file))
+def _config(endpoint: str, cache: Path, token_file: Path | None) -> Config:
+    return Config(path=cache.parent / "config.toml", paths=replace(default_paths(), hub_cache=cache),
+                  hub=HubConfig(endpoint=endpoint, token_file=token_file))

@@ -15,8 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flare.errors import FetchError, UsageError
+
+if TYPE_CHECKING:
+    from flare.config import Config
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_HUB_CACHE = Path("~/.cache/huggingface/hub")
@@ -47,14 +51,11 @@ class HubOptions:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
 
     @classmethod
-    def from_config(cls, config, *, token_file: Path | None = None, offline: bool = False) -> HubOptions:
+    def from_config(cls, config: Config, *, token_file: Path | None = None, offline: bool = False) -> HubOptions:
         """Options from `[hub]` and `[paths] hub_cache`; an explicit `token_file` (a flag) wins over the file's."""
-        hub = getattr(config, "hub", None)
-        endpoint = getattr(hub, "endpoint", None) or DEFAULT_ENDPOINT
-        token_file = token_file or getattr(hub, "token_file", None)
-        cache_dir = getattr(config.paths, "hub_cache", None) or DEFAULT_HUB_CACHE
+        token_file = token_file or config.hub.token_file
         token = read_token_file(Path(token_file)) if token_file else None
-        return cls(endpoint=endpoint, token=token, cache_dir=Path(cache_dir), offline=offline)
+        return cls(endpoint=config.hub.endpoint, token=token, cache_dir=config.paths.hub_cache, offline=offline)
 
     @property
     def library_token(self) -> str | bool:
@@ -248,7 +249,8 @@ def _fetch_errors(repo_id: str, revision: str | None, options: HubOptions) -> It
     try:
         yield
     except errors.GatedRepoError as error:
-        raise FetchError(f"{repo_id} on {hub} is gated: accept its terms on the hub and use a token with access") from error
+        gated = f"{repo_id} on {hub} is gated: accept its terms on the hub and use a token that has access"
+        raise FetchError(gated) from error
     except errors.RepositoryNotFoundError as error:
         raise FetchError(f"the hub at {hub} has no repository {repo_id}{token_hint}") from error
     except errors.RevisionNotFoundError as error:
