@@ -244,28 +244,28 @@ def _fetch_errors(repo_id: str, revision: str | None, options: HubOptions) -> It
     """Turn the library's failures into a FetchError naming the repository, the revision and the hub."""
     from huggingface_hub import errors
 
-    where, hub = _where(repo_id, revision), options.endpoint
+    prefix = f"cannot fetch {_where(repo_id, revision)} from {options.endpoint}"
     token_hint = "" if options.token else "; if it is private or gated, give a token with [hub] token_file"
     try:
         yield
     except errors.GatedRepoError as error:
-        gated = f"{repo_id} on {hub} is gated: accept its terms on the hub and use a token that has access"
-        raise FetchError(gated) from error
+        gated = "the repository is gated: accept its terms on the hub and use a token that has access"
+        raise FetchError(f"{prefix}: {gated}") from error
     except errors.RepositoryNotFoundError as error:
-        raise FetchError(f"the hub at {hub} has no repository {repo_id}{token_hint}") from error
+        raise FetchError(f"{prefix}: the hub has no repository {repo_id}{token_hint}") from error
     except errors.RevisionNotFoundError as error:
-        raise FetchError(f"{repo_id} on {hub} has no revision {revision}") from error
+        raise FetchError(f"{prefix}: {repo_id} has no revision {revision}") from error
     except errors.RemoteEntryNotFoundError as error:
-        raise FetchError(f"{where} on {hub} lacks a file it needs: {_first_line(error)}") from error
+        raise FetchError(f"{prefix}: a file is missing ({_first_line(error)})") from error
     except errors.HfHubHTTPError as error:
         status = error.response.status_code if error.response is not None else "an error"
         hint = "; check the token in [hub] token_file" if status in (401, 403) else ""
-        raise FetchError(f"the hub at {hub} answered {status} for {where}{hint}") from error
+        raise FetchError(f"{prefix}: the hub answered {status}{hint}") from error
     except (OSError, errors.LocalEntryNotFoundError) as error:
-        raise FetchError(f"cannot fetch {where} from {hub}: {_first_line(error)}") from error
+        raise FetchError(f"{prefix}: {_first_line(error)}") from error
     except Exception as error:
         if _is_transport_error(error):
-            raise FetchError(f"cannot reach the hub at {hub} for {where}: {_first_line(error)}") from error
+            raise FetchError(f"{prefix}: the hub is unreachable ({_first_line(error)})") from error
         raise
 
 

@@ -76,14 +76,18 @@ class ResolvedModel:
 
     def describe(self) -> str:
         """One line for the export log: what was resolved, and the commit a branch or no revision gave."""
-        name = f"{self.checkpoint.alias} " if self.checkpoint is not None else ""
+        alias = f"{self.checkpoint.alias}: " if self.checkpoint is not None else ""
         if self.source == "builtin":
-            return f"{name}(built locally in {self.directory})"
+            return f"{alias}built locally in {self.directory}"
         if self.source == "directory":
             return f"checkpoint directory {self.directory} ({self.recipe.title})"
-        asked = f"{self.requested_revision}, " if self.requested_revision and self.revision_was_resolved else ""
-        current = "current commit " if self.requested_revision is None and self.revision_was_resolved else ""
-        return f"{name}{self.repo_id} at {asked}{current}{self.revision} ({self.recipe.title})"
+        if self.requested_revision is None and self.revision_was_resolved:
+            where = f"{self.repo_id} at its current commit {self.revision}"
+        elif self.revision_was_resolved:
+            where = f"{self.repo_id}@{self.requested_revision} = commit {self.revision}"
+        else:
+            where = f"{self.repo_id} at commit {self.revision}"
+        return f"{alias}{where} ({self.recipe.title})"
 
 
 def resolve_model(model: str | None, config: Config, options: HubOptions | None = None) -> ResolvedModel:
