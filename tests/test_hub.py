@@ -102,11 +102,16 @@ def test_downloads_a_complete_snapshot_of_the_exact_commit(hub, tmp_path, option
         "model.safetensors.index.json", "tokenizer.json"]
 
 
-def test_skips_weights_in_formats_flare_does_not_load(hub, tmp_path, options):
-    commit = publish(hub, tmp_path, extra={"pytorch_model.bin": b"x" * 64, "original/consolidated.pth": b"y"})
+def test_skips_weights_in_formats_flare_does_not_load_and_copies_beside_the_index(hub, tmp_path, options):
+    extra = {"pytorch_model.bin": b"x" * 64, "original/consolidated.pth": b"y", "consolidated.safetensors": b"z" * 64,
+             "params.json": b"{}"}
+    commit = publish(hub, tmp_path, shards=2, extra=extra)
     path = download_snapshot(REPO, commit, options)
-    assert "pytorch_model.bin" not in snapshot_names(path)
-    assert "original/consolidated.pth" not in snapshot_names(path)
+    names = snapshot_names(path)
+    assert "params.json" in names and "model-00002-of-00002.safetensors" in names
+    for skipped in ("pytorch_model.bin", "original/consolidated.pth", "consolidated.safetensors"):
+        assert skipped not in names
+        assert skipped not in hub.bodies_served
     assert find_complete_snapshot(REPO, commit, options.cache_dir) == path
 
 

@@ -9,6 +9,7 @@ theirs.
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 # Weights in formats Flare does not load, and the consolidated copies some repositories carry beside the
-# Transformers shards: a snapshot is complete without them, so they are never downloaded.
+# Transformers shards (Llama's original/): a snapshot is complete without them, so they are never downloaded.
 IGNORED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "original/*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -173,15 +174,33 @@ def _missing_from_recorded_tree(folder: Path, commit: str, snapshot: Path) -> li
     try:  # the recorded tree arrived in huggingface_hub 2.x; older caches simply have none
         from huggingface_hub import get_cached_repo_tree
         from huggingface_hub.errors import CachedRepoTreeNotFoundError
-        from huggingface_hub.utils import filter_repo_objects
     except ImportError:
         return []
     try:
         tree = get_cached_repo_tree(_folder_repo_id(folder), revision=commit, cache_dir=folder.parent)
     except (CachedRepoTreeNotFoundError, OSError, ValueError):
         return []
-    expected = filter_repo_objects([entry.path for entry in tree], ignore_patterns=list(IGNORED_PATTERNS))
+    weights = local_weights(snapshot)
+    expected = needed_files([entry.path for entry in tree], weights.files if weights else ())
     return [path for path in expected if not (snapshot / path).is_file()]
+
+
+def needed_files(repository_files: list[str], indexed: tuple[str, ...]) -> list[str]:
+    """The files of a repository a complete snapshot holds.
+
+    All but IGNORED_PATTERNS, and, beside a safetensors index, only the top-level safetensors files it
+    names: some repositories also carry one consolidated copy of every weight (Mistral's
+    consolidated.safetensors), which would double the download.
+    """
+    from huggingface_hub.utils import filter_repo_objects
+
+    kept = filter_repo_objects(repository_files, ignore_patterns=list(IGNORED_PATTERNS))
+    has_index = INDEX_NAME in repository_files
+    return [name for name in kept if not (has_index and _is_top_level_weights(name) and name not in indexed)]
+
+
+def _is_top_level_weights(name: str) -> bool:
+    return name.endswith(SAFETENSORS_SUFFIX) and "/" not in name
 
 
 def snapshot_missing_files(folder: Path, commit: str) -> list[str]:
@@ -355,6 +374,11 @@ def read_repository(repo_id: str, revision: str | None, options: HubOptions) -> 
     return _read_remote(repo_id, info, revision, options)
 
 
+def _remote_index_files(repo_id: str, commit: str, options: HubOptions) -> tuple[str, ...]:
+    index = read_json(_download_file(repo_id, commit, INDEX_NAME, options), "the safetensors index")
+    return _weights_from_index(index, f"{repo_id} at commit {commit}", {}).files
+
+
 def _read_remote(repo_id: str, info, revision: str | None, options: HubOptions) -> RepositoryMetadata:
     commit = info.sha
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
@@ -381,9 +405,10 @@ def download_snapshot(repo_id: str, commit: str, options: HubOptions) -> Path:
     if snapshot is not None:
         return snapshot
     _refuse_offline(repo_id, commit, options, "no complete snapshot")
-    # One cheap request first: it reports a missing repository, revision or token clearly, where the
-    # download itself would fall back to whatever partial snapshot is cached.
-    _model_info(repo_id, commit, options)
+    # The listing first: it reports a missing repository, revision or token clearly (the download itself
+    # would fall back to whatever partial snapshot is cached), and says which files to fetch.
+    names = [sibling.rfilename for sibling in _model_info(repo_id, commit, options).siblings or []]
+    indexed = _remote_index_files(repo_id, commit, options) if INDEX_NAME in names else ()
     hub = _library()
     with _fetch_errors(repo_id, commit, options):
         path = Path(
@@ -393,7 +418,7 @@ def download_snapshot(repo_id: str, commit: str, options: HubOptions) -> Path:
                 cache_dir=options.cache_dir,
                 endpoint=options.endpoint,
                 token=options.library_token,
-                ignore_patterns=list(IGNORED_PATTERNS),
+                allow_patterns=[glob.escape(name) for name in needed_files(names, indexed)],
             )
         )
     missing = snapshot_missing_files(path.parent.parent, commit)
