@@ -129,16 +129,20 @@ def fetch(resolved: ResolvedModel, options: HubOptions | None = None) -> Path:
 
 
 def _resolve_directory(directory: Path, options: HubOptions) -> ResolvedModel:
+    hf_config, weights = _read_local_checkpoint(directory)
+    recipe = _recipe_for(hf_config, str(directory))
+    return ResolvedModel(recipe, None, "directory", None, LOCAL_REVISION, None, hf_config, weights, directory,
+                         options)
+
+
+def _read_local_checkpoint(directory: Path) -> tuple[dict, WeightsInfo]:
     missing = missing_checkpoint_files(directory)
     if CONFIG_NAME in missing:
         raise UsageError(f"{directory} has no {CONFIG_NAME}; a checkpoint directory holds config.json and "
                          "safetensors weights")
     if missing:
         raise UsageError(f"the checkpoint directory {directory} lacks {', '.join(missing)}")
-    hf_config = read_json(directory / CONFIG_NAME, "the checkpoint configuration")
-    recipe = _recipe_for(hf_config, str(directory))
-    return ResolvedModel(recipe, None, "directory", None, LOCAL_REVISION, None, hf_config,
-                         local_weights(directory), directory, options)
+    return read_json(directory / CONFIG_NAME, "the checkpoint configuration"), local_weights(directory)
 
 
 def _resolve_repository(model: str, options: HubOptions) -> ResolvedModel:
@@ -176,9 +180,9 @@ def _resolve_checkpoint(recipe: Recipe, checkpoint: Checkpoint, source: str, opt
     """A declared checkpoint: the demo is built locally; a hub checkpoint is read at its pinned revision."""
     if checkpoint.source == "builtin":
         directory = _demo_checkpoint()
-        hf_config = read_json(directory / CONFIG_NAME, "the demo checkpoint configuration")
-        return ResolvedModel(recipe, checkpoint, "builtin", None, LOCAL_REVISION, None, hf_config,
-                             local_weights(directory), directory, options)
+        hf_config, weights = _read_local_checkpoint(directory)
+        return ResolvedModel(recipe, checkpoint, "builtin", None, LOCAL_REVISION, None, hf_config, weights,
+                             directory, options)
     metadata = read_repository(checkpoint.repo_id, checkpoint.revision, options)
     return ResolvedModel(recipe, checkpoint, source, checkpoint.repo_id, metadata.revision, checkpoint.revision,
                          metadata.hf_config, metadata.weights, None, options)
