@@ -240,7 +240,8 @@ def _library():
     Endpoint, token and cache are arguments of every call; these are the module-level switches that would
     otherwise refuse requests (HF_HUB_OFFLINE: offline is our option, honoured by making no request), send
     side requests to the library's default endpoint (telemetry and its user-agent probe), or change how
-    files are laid out and timed.
+    files are transferred, laid out and timed. They match `flare.environment`, which sets the variables
+    when Flare gets to run before the library is imported; this covers the case where it did not.
     """
     import huggingface_hub
     from huggingface_hub import constants
@@ -249,6 +250,7 @@ def _library():
     constants.HF_HUB_DISABLE_TELEMETRY = True
     constants.HF_HUB_DISABLE_IMPLICIT_TOKEN = True
     constants.HF_HUB_DISABLE_SYMLINKS = False
+    constants.HF_HUB_DISABLE_XET = True  # plain resumable HTTP, as the specification's acquisition uses
     constants.HF_HUB_ETAG_TIMEOUT = constants.DEFAULT_ETAG_TIMEOUT
     constants.HF_HUB_DOWNLOAD_TIMEOUT = constants.DEFAULT_DOWNLOAD_TIMEOUT
     return huggingface_hub
