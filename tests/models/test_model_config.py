@@ -117,3 +117,16 @@ def test_what_we_cannot_run_is_a_usage_error_saying_what(fields, message):
     with pytest.raises(UnsupportedModel, match=message) as raised:
         ModelConfig.from_hf_config(hf_config("llama") | fields)
     assert isinstance(raised.value, UsageError)
+
+
+def test_reading_configs_does_not_import_torch():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import flare
+
+    code = "import sys, flare.models; flare.models.ModelConfig; sys.exit('torch' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(Path(flare.__file__).parents[1])}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0

@@ -9,7 +9,7 @@ import torch
 
 from flare.engine.attention import TorchReferenceBackend
 from flare.errors import PreparationError
-from flare.models import WeightError, build_model, iter_safetensors, load_checkpoint, read_model_config
+from flare.models import ModelConfig, WeightError, build_model, iter_safetensors, load_checkpoint, read_model_config
 from models.paged_runner import PagedRunner
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -75,8 +75,11 @@ def test_saved_rotary_frequencies_of_older_checkpoints_are_ignored(checkpoint):
     fresh_model(checkpoint).load_hf_weights(weights.items())
 
 
-def test_build_model_makes_parameters_of_the_requested_dtype_and_device_without_values(checkpoint):
-    model = build_model(read_model_config(checkpoint), torch.bfloat16, "meta", TorchReferenceBackend())
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}])
+def test_build_model_makes_parameters_of_the_requested_dtype_and_device_without_values(checkpoint, rope):
+    hf = json.loads((checkpoint / "config.json").read_text())
+    cfg = ModelConfig.from_hf_config({**hf, "rope_parameters": rope or hf["rope_parameters"]})
+    model = build_model(cfg, torch.bfloat16, "meta", TorchReferenceBackend())
     assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.bfloat16, "meta")}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
 
