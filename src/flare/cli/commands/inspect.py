@@ -38,7 +38,7 @@ def run(args) -> int:
 
     if args.unverified and (args.publisher_keys or args.trust_store):
         raise UsageError("--unverified reads no keys; it cannot be combined with --publisher-keys or --trust-store")
-    cache_root = model_cache_root(args.model_cache)
+    cache_root = model_cache_root(args.model_cache, getattr(args, "configuration", None))
     path = resolve_target(args.package, cache_root)
     options = InspectOptions(memory_map=args.memory_map, graphs=args.graphs, frontend=args.frontend, all=args.all,
                              rank=args.rank, tensor_parallel=args.tensor_parallel)
@@ -58,9 +58,11 @@ def run(args) -> int:
     return 0
 
 
-def model_cache_root(explicit: Path | None) -> Path:
-    """--model-cache, then [paths] package_cache of the default configuration, then the default cache."""
+def model_cache_root(explicit: Path | None, configuration=None) -> Path:
+    """--model-cache, then [paths] package_cache of the configuration, then ~/.cache/flare/packages."""
     if explicit is not None:
         return Path(explicit).expanduser()
-    from flare.prepare import load_settings
-    return load_settings(None).package_cache
+    if configuration is None:
+        from flare.config import load_config
+        configuration = load_config(None)
+    return Path(configuration.paths.package_cache).expanduser()

@@ -48,7 +48,7 @@ def run(args) -> int:
         args.model_cache = explicit
         return inspect_command.run(args)
     from flare.package.store import ModelCache
-    cache = ModelCache(model_cache_root(explicit))
+    cache = ModelCache(model_cache_root(explicit, getattr(args, "configuration", None)))
     return {"list": _list, "select": _select, "remove": _remove, "gc": _gc}[args.models_command](cache, args)
 
 
