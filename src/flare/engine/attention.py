@@ -1,0 +1,137 @@
+"""Paged attention: the batch metadata, the backend contract, and a pure-PyTorch reference backend.
+
+The KV cache is one tensor per layer, `[2, num_pages, page_size, num_kv_heads, head_dim]` (keys, then
+values). A batch is flattened: the new tokens of all sequences lie one after another, `T` in total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the flattened batch and where its context lives in the cache."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32: sequence b's new tokens are [query_start_loc[b], query_start_loc[b+1])
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [B, max_pages] int32: the cache pages of each sequence, in order; the rest is padding
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset where each new token's K/V is written
+    max_query_len: int
+    max_seq_len: int
+    page_size: int
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """From plain lists: each sequence's new-token count, its context length after the step, and its pages."""
+        starts = [0]
+        for length in query_lens:
+            starts.append(starts[-1] + length)
+        slots = []
+        for query_len, seq_len, pages in zip(query_lens, seq_lens, block_tables, strict=True):
+            slots += [pages[pos // page_size] * page_size + pos % page_size for pos in range(seq_len - query_len, seq_len)]
+        width = max((len(pages) for pages in block_tables), default=0)
+        padded = [pages + [0] * (width - len(pages)) for pages in block_tables]
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            page_size=page_size,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def token_sequence_index(self) -> torch.Tensor:
+        """`[T]`: which sequence each new token belongs to."""
+        tokens = torch.arange(self.num_tokens, device=self.query_start_loc.device, dtype=torch.int32)
+        return torch.searchsorted(self.query_start_loc[1:], tokens, right=True)
+
+    def token_seq_lens(self) -> torch.Tensor:
+        """`[T]`: the context length after this step of each new token's sequence."""
+        return self.seq_lens[self.token_sequence_index()]
+
+    def positions(self) -> torch.Tensor:
+        """`[T]` int64: the position of each new token in its sequence (new tokens come last in the context)."""
+        sequence = self.token_sequence_index()
+        tokens = torch.arange(self.num_tokens, device=sequence.device)
+        from_end = self.query_start_loc[1:][sequence].to(torch.int64) - tokens
+        return self.seq_lens[sequence].to(torch.int64) - from_end
+
+
+class AttentionBackend:
+    """Computes attention for one layer over a flattened batch with a paged KV cache.
+
+    `forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], kv_cache, meta, scale) -> [T, Hq, D]`:
+    first write the new `key`/`value` into `kv_cache [2, num_pages, page_size, Hkv, D]` at
+    `meta.slot_mapping`, then, for each sequence b, let its `q_len` new queries attend causally over its
+    whole context of `meta.seq_lens[b]` tokens, read from the pages `meta.block_tables[b]`: query i sits
+    at position `seq_lens[b] - q_len + i` and sees keys at positions up to and including its own.
+    Query heads share KV heads in groups (`Hq // Hkv` consecutive query heads per KV head). Scores are
+    multiplied by `scale`; the softmax runs in float32; the output has the query's dtype.
+    """
+
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """Plain PyTorch, one sequence at a time: slow, obviously right, the yardstick for kernels."""
+
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+        output = torch.empty_like(query)
+        starts = meta.query_start_loc.tolist()
+        for b, seq_len in enumerate(meta.seq_lens.tolist()):
+            start, end = starts[b], starts[b + 1]
+            keys, values = gather_context(kv_cache, meta.block_tables[b], seq_len)
+            output[start:end] = causal_attention(query[start:end], keys, values, scale)
+        return output
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each new token's K/V at its slot (`page * page_size + offset`)."""
+    _, num_pages, page_size, heads, head_dim = kv_cache.shape
+    slots = kv_cache.view(2, num_pages * page_size, heads, head_dim)
+    slots[0, slot_mapping] = key.to(kv_cache.dtype)
+    slots[1, slot_mapping] = value.to(kv_cache.dtype)
+
+
+def gather_context(kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's `seq_len` keys and values `[seq_len, Hkv, D]`, in position order."""
+    page_size = kv_cache.shape[2]
+    used = pages[: -(-seq_len // page_size)].long()
+    context = kv_cache[:, used].flatten(1, 2)[:, :seq_len]
+    return context[0], context[1]
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """`query [q, Hq, D]` are the last q positions of a context `keys/values [s, Hkv, D]`; float32 inside."""
+    q_len, num_heads, head_dim = query.shape
+    seq_len, kv_heads, _ = keys.shape
+    grouped = query.float().view(q_len, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("qhgd,shd->hgqs", grouped, keys.float()) * scale
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+    hidden = torch.arange(seq_len, device=query.device)[None, :] > query_pos
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    out = torch.einsum("hgqs,shd->qhgd", probs, values.float())
+    return out.reshape(q_len, num_heads, head_dim).to(query.dtype)
+
+
+def allocate_kv_caches(cfg, num_pages: int, page_size: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """One zeroed cache per layer, `[2, num_pages, page_size, num_kv_heads, head_dim]`."""
+    shape = (2, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]

@@ -1,0 +1,140 @@
+"""The layers every family is built from. Each layer owns how its checkpoint tensors load into it.
+
+Parameters are created with `torch.empty` (no random initialisation): every value comes from the
+checkpoint. A parameter's `weight_loader(param, tensor, shard, name)` copies one checkpoint tensor
+into it (a shard of a fused parameter, or the whole of a plain one) after checking its shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flare.models.errors import WeightError
+
+
+def _parameter(*shape: int, loader=None) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader or load_whole
+    param.shards = {None: (0, shape[0])}
+    return param
+
+
+def load_whole(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> None:
+    _check_shape(name, tensor, tuple(param.shape))
+    param.data.copy_(tensor)
+
+
+def load_shard(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> None:
+    """Copy a checkpoint tensor into rows `param.shards[shard]` of a fused parameter."""
+    start, size = param.shards[shard]
+    _check_shape(name, tensor, (size, *param.shape[1:]))
+    param.data[start : start + size].copy_(tensor)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise WeightError(
+            f"checkpoint tensor {name} has shape {list(tensor.shape)} but the model expects {list(expected)}; "
+            "the checkpoint does not match its config.json"
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, in float32 as transformers computes it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter(size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """`y = x W^T (+ b)`; fused variants declare their shards, named as the checkpoint's separate tensors."""
+
+    def __init__(self, in_features: int, shard_sizes: dict, bias: bool = False) -> None:
+        super().__init__()
+        out_features = sum(shard_sizes.values())
+        fused = list(shard_sizes) != [None]
+        loader = load_shard if fused else load_whole
+        self.weight = _parameter(out_features, in_features, loader=loader)
+        self.bias = _parameter(out_features, loader=loader) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.shards = _shard_offsets(shard_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _shard_offsets(shard_sizes: dict) -> dict:
+    offsets, start = {}, 0
+    for shard, size in shard_sizes.items():
+        offsets[shard] = (start, size)
+        start += size
+    return offsets
+
+
+def plain_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
+    return Linear(in_features, {None: out_features}, bias)
+
+
+def qkv_linear(hidden: int, q_size: int, kv_size: int, bias: bool) -> Linear:
+    """q, k and v projections as one matmul; loads from `q_proj`, `k_proj`, `v_proj`."""
+    return Linear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+
+
+def gate_up_linear(hidden: int, intermediate: int) -> Linear:
+    """The MLP's gate and up projections as one matmul; loads from `gate_proj`, `up_proj`."""
+    return Linear(hidden, {"gate": intermediate, "up": intermediate})
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_linear(hidden, intermediate)
+        self.down_proj = plain_linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = _parameter(vocab_size, hidden)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Hidden states to float32 logits; with tied embeddings it reads the embedding matrix."""
+
+    def __init__(self, vocab_size: int, hidden: int, tied_to: Embedding | None) -> None:
+        super().__init__()
+        self.tied_to = [tied_to] if tied_to is not None else []  # a list keeps it out of the module tree
+        self.register_parameter("weight", None if tied_to is not None else _parameter(vocab_size, hidden))
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        return self.tied_to[0].weight if self.tied_to else self.weight
+
+    def untie(self, tensor: torch.Tensor, name: str) -> None:
+        """Give the head its own matrix, as transformers does when a tied checkpoint still ships a different one."""
+        embedding = self.tied_to.pop()
+        self.weight = _parameter(*embedding.weight.shape)
+        self.weight.data = self.weight.data.to(device=embedding.weight.device, dtype=embedding.weight.dtype)
+        load_whole(self.weight, tensor, None, name)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.matrix).float()

@@ -1,0 +1,52 @@
+"""Reading a Hugging Face checkpoint directory: config.json and memory-mapped (sharded) safetensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from flare.models.config import ModelConfig
+from flare.models.errors import WeightError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def read_model_config(directory: Path) -> ModelConfig:
+    return ModelConfig.from_hf_config(json.loads((Path(directory) / "config.json").read_text()))
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files, from the shard index when there is one."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = [directory / SINGLE_FILE]
+    for file in files:
+        if not file.is_file():
+            raise WeightError(f"checkpoint file {file} is missing; download the checkpoint again")
+    return files
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
+    """Every `(name, tensor)` of the checkpoint, read one at a time from memory-mapped files."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(directory):
+        with safe_open(file, framework="pt") as weights:
+            for name in weights.keys():
+                yield name, weights.get_tensor(name)
+
+
+def load_checkpoint(directory: Path, dtype, device, attention_backend):
+    """`(ModelConfig, CausalLM)` for a checkpoint directory, weights loaded onto `device` in `dtype`."""
+    from flare.models.registry import build_model
+
+    cfg = read_model_config(directory)
+    model = build_model(cfg, dtype, device, attention_backend)
+    model.load_hf_weights(iter_safetensors(directory))
+    return cfg, model
