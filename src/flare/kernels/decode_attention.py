@@ -9,7 +9,7 @@ Shapes (T = batch, one token each):
     q            [B, Hq, D]                    last dim contiguous
     k_cache      [num_pages, page_size, Hkv, D]  (layer cache[0]); v_cache likewise (layer cache[1])
     block_tables [B, max_pages] int32          page ids of each sequence, in order
-    seq_lens     [B] int32                     context length including the new token (>= 1)
+    seq_lens     [B] int32                     context length including the new token (0: padding, gives 0)
     out          [B, Hq, D]                    same dtype as q
 """
 
@@ -105,10 +105,13 @@ def _decode_reduce_kernel(
 
     lse = tl.load(mid_lse_ptr + seq * stride_mlb + head * stride_mlh + splits,
                   mask=split_mask, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))                   # empty splits weigh 0
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)                 # an empty (padding) sequence gives 0
+    weights = tl.exp2(lse - top)                                   # empty splits weigh 0
     o = tl.load(mid_o_ptr + seq * stride_mob + head * stride_moh + splits[:, None] * stride_mos
                 + dims[None, :], mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    merged = tl.sum(o * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    total = tl.sum(weights, axis=0)
+    merged = tl.sum(o * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty),
              mask=dim_mask)
 
@@ -122,8 +125,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                     num_splits: int, out=None):
-    """Attention of one query token per sequence over its paged context; returns out [B, Hq, D]."""
+                     num_splits: int, out=None, *, block_n: int | None = None, num_warps: int = 4):
+    """Attention of one query token per sequence over its paged context; returns out [B, Hq, D].
+
+    num_splits is fixed for a captured graph (choose_num_splits with the capture's longest context);
+    block_n (context tokens per inner step) and num_warps are tuning knobs for benchmarks."""
     import torch
 
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
@@ -141,7 +147,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
 
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, triton.next_power_of_2(group))              # tl.dot needs at least 16 rows
-    block_n = max(16, min(64, triton.next_power_of_2(page_size)))
+    on_cpu = q.device.type == "cpu"           # interpreter: short steps, so small tests cross several
+    block_n = block_n or (16 if on_cpu else 64)
+    launch = {} if on_cpu else {"num_warps": num_warps}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
         scale * LOG2E,
@@ -152,7 +160,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, **launch,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,

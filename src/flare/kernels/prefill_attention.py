@@ -108,8 +108,11 @@ def _write_kv_kernel(
 
 
 def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                      max_query_len: int, out=None):
-    """Causal attention of each sequence's new tokens over its paged context; returns out [T, Hq, D]."""
+                      max_query_len: int, out=None, *, block_m: int | None = None, block_n: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None):
+    """Causal attention of each sequence's new tokens over its paged context; returns out [T, Hq, D].
+
+    block_m/block_n (query and key tile), num_warps and num_stages are tuning knobs for benchmarks."""
     import torch
 
     _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
@@ -122,8 +125,10 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     if num_tokens == 0 or batch == 0:
         return out
-    block_m = 16 if q.device.type == "cpu" else 64               # small tiles keep the interpreter fast
-    block_n = 16 if q.device.type == "cpu" else 64
+    on_cpu = q.device.type == "cpu"                               # small tiles keep the interpreter fast
+    block_m = block_m or (16 if on_cpu else 128)
+    block_n = block_n or (16 if on_cpu else 64)
+    launch = {} if on_cpu else {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
     grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
@@ -133,7 +138,7 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, **launch,
     )
     return out
 
