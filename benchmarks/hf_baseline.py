@@ -7,6 +7,7 @@ Static KV cache and a compiled forward (the fastest plain `transformers` setting
 
     python benchmarks/hf_baseline.py /path/to/llama-8b --input-len 128 --output-len 512 \
         --output results/hf.json
+    python benchmarks/hf_baseline.py --random llama-8b     # same shape, random weights, no checkpoint
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="Hugging Face checkpoint directory")
+    parser.add_argument("checkpoint", nargs="?", help="Hugging Face checkpoint directory")
+    parser.add_argument("--random", metavar="SHAPE", help="instead of a checkpoint: random weights in GPU "
+                        "memory at a benchmark shape (llama-8b, qwen3-8b)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--repetitions", type=int, default=3)
@@ -36,7 +39,20 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("hf_baseline needs a CUDA GPU", file=sys.stderr)
         return 2
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device_map="cuda")
+    if args.random:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from shapes import SHAPES, randomize_
+        from transformers import AutoConfig
+
+        shape = dict(SHAPES[args.random])
+        config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        randomize_(model)
+    elif args.checkpoint:
+        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device_map="cuda")
+    else:
+        parser.error("give a checkpoint directory or --random SHAPE")
     model.eval()
     model.generation_config.cache_implementation = "static"
     model.generation_config.pad_token_id = model.generation_config.eos_token_id
@@ -66,7 +82,7 @@ def main(argv=None) -> int:
     full_s, first_s = statistics.median(full), statistics.median(first)
     decode_ms = (full_s - first_s) / (args.output_len - 1) * 1000
     result = {
-        "benchmark": "transformers generate", "checkpoint": str(args.checkpoint),
+        "benchmark": "transformers generate", "checkpoint": args.checkpoint or f"random {args.random}",
         "transformers": transformers.__version__, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(), "batch": 1, "cache": "static",
         "compiled": not args.no_compile, "input_len": args.input_len, "output_len": args.output_len,

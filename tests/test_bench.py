@@ -132,3 +132,34 @@ def test_bench_rejects_bad_flags_with_exit_2(capsys):
 
     assert main(["bench", "--contexts", "500"]) == 2
     assert "multiples of 128" in capsys.readouterr().err
+
+
+def test_model_decode_step_continues_its_prefilled_context(tmp_path):
+    """The measured step decodes the pending token over the prefilled pages, and restore makes every
+    step start from the same state: its greedy token is that of the whole sequence run at once."""
+    import torch
+
+    from flare.bench_model import ModelDecodeTarget
+    from flare.engine.attention import AttentionMetadata, TorchReferenceBackend, allocate_kv_caches
+    from flare.models import load_checkpoint
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    cfg, model = load_checkpoint(write_tiny_checkpoint("llama", tmp_path), torch.float32, "cpu",
+                                 TorchReferenceBackend())
+    target = ModelDecodeTarget(model, cfg, max_batch=2, max_context=40, page_size=16, device="cpu",
+                               dtype=torch.float32, graph=False)
+    target.prepare(batch=2, context=20, seed=5)
+    target.restore()
+    target.step()
+    first = target.sampled.clone()
+    target.restore()
+    target.step()
+    assert torch.equal(target.sampled, first)
+
+    tokens = torch.randint(0, cfg.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
+    caches = allocate_kv_caches(cfg, 4, 16, torch.float32, "cpu")
+    meta = AttentionMetadata.build([21, 21], [21, 21], [[0, 1], [2, 3]], 16)
+    with torch.inference_mode():
+        hidden = model(tokens.flatten(), meta.positions(), caches, meta)
+        expected = model.compute_logits(hidden[[20, 41]]).argmax(dim=-1)
+    assert torch.equal(first, expected)

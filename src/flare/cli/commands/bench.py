@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from flare.errors import PreparationError, UsageError
+from flare.errors import UsageError
 
 DEFAULT_MODEL_NOTE = "the explicit MODEL, else defaults.model"
 
@@ -71,14 +71,40 @@ def run(args) -> int:
 
 
 def build_target(args, concurrency: int, max_context: int):
-    """The engine's decode step for this model, prepared on one GPU: (target, configuration dict)."""
+    """The model's complete decode step on one GPU, with Triton attention: (target, configuration)."""
     import torch
+
+    from flare.memory import parse_gpus
 
     if not torch.cuda.is_available():
         raise UsageError("ignition bench measures GPU decode steps with CUDA events and needs a CUDA GPU")
+    gpus = parse_gpus(args.gpus) if args.gpus else (0,)
+    if len(gpus) != 1:
+        raise UsageError(f"--gpus {args.gpus}: ignition bench runs on one local GPU")
+    torch.cuda.set_device(gpus[0])
+    directory = checkpoint_directory(args.model, args.config)
+
+    from flare.bench_model import ModelDecodeTarget
+    from flare.engine.attention_triton import TritonBackend
+    from flare.models import load_checkpoint
+
+    cfg, model = load_checkpoint(directory, torch.bfloat16, "cuda", TritonBackend())
+    target = ModelDecodeTarget(model, cfg, max_batch=concurrency, max_context=max_context)
+    configuration = {"model": str(args.model), "checkpoint": str(directory), "architecture": cfg.architecture,
+                     "dtype": "bfloat16", "attention": "triton", "page_size": target.page_size,
+                     "graphs": True, "sampling": "greedy", "gpus": list(gpus)}
+    return target, configuration
+
+
+def checkpoint_directory(model, config_path):
+    """A local checkpoint directory for MODEL: a directory as given, else through model resolution."""
+    from pathlib import Path
+
+    if model and (Path(model) / "config.json").is_file():
+        return Path(model)
     try:
-        from flare.engine.bench_target import build_decode_target
+        from flare.config import load_config
+        from flare.resolve import fetch, resolve_model
     except ImportError as error:
-        raise PreparationError(f"this build has no engine decode step to measure ({error})") from error
-    return build_decode_target(model=args.model, gpus=args.gpus, config_path=args.config,
-                               max_concurrency=concurrency, max_context=max_context)
+        raise UsageError(f"MODEL {model}: this build resolves only checkpoint directories") from error
+    return fetch(resolve_model(model, load_config(Path(config_path) if config_path else None)))
