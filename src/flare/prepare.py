@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flare.errors import UsageError
 from flare.package.export import ExportHooks, ExportSpec, export_entry
-from flare.package.signing import config_dir_for, publishing_identity
-from flare.package.store import DEFAULT_CACHE_ROOT, ModelCache, model_key_for
+from flare.package.signing import publishing_identity
+from flare.package.store import ModelCache, model_key_for
 from flare.ui.progress import PhaseProgress, format_bytes
 
-DEFAULT_CONFIG = Path("~/.config/flare/config.toml")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -43,26 +40,26 @@ class RecipeFacts:
     export_repository: str | None = None
 
     @classmethod
-    def from_recipe(cls, recipe, checkpoint=None, model_id: str | None = None) -> "RecipeFacts":
-        def get(obj, name, default=None):
-            value = getattr(obj, name, default) if obj is not None else default
-            return default if value is None else value
-        canonical = model_id or get(checkpoint, "served_name") or get(checkpoint, "canonical_name") \
-            or get(recipe, "family", "model")
-        alias = get(checkpoint, "alias")
-        concurrency = get(recipe, "concurrency", None)
-        return cls(
-            name=str(get(recipe, "name", get(recipe, "family", "generic"))), model_id=canonical, alias=alias,
-            served_names=tuple(dict.fromkeys(n for n in (canonical, alias) if n)),
-            page_size=int(get(recipe, "page_size", 16)), prefill_chunk=int(get(recipe, "prefill_chunk", 512)),
-            default_concurrency=int(get(recipe, "default_concurrency", get(concurrency, "default", 8))),
-            max_concurrency=int(get(recipe, "max_concurrency", get(concurrency, "maximum", 64))),
-            tensor_parallel_sizes=tuple(get(recipe, "tensor_parallel_sizes", (1,))),
-            decode_capacities=tuple(get(recipe, "decode_capacities", ())),
-            dtype=get(recipe, "dtype"),
-            sampling_defaults=dict(get(recipe, "sampling_defaults", {})),
-            sampling_ranges={k: list(v) for k, v in dict(get(recipe, "sampling_ranges", {})).items()},
-            export_repository=get(checkpoint, "export_repository", get(recipe, "export_repository")))
+    def from_resolved(cls, resolved) -> "RecipeFacts":
+        """Adapt a `flare.resolve.ResolvedModel` (its Recipe and declared Checkpoint, if any)."""
+        recipe, checkpoint = resolved.recipe, resolved.checkpoint
+        if checkpoint is not None:
+            model_id = checkpoint.served_name
+        elif resolved.repo_id:
+            model_id = resolved.repo_id
+        else:
+            model_id = Path(resolved.directory).name
+        alias = checkpoint.alias if checkpoint is not None else None
+        sampling = recipe.sampling_for(checkpoint)
+        return cls(name=recipe.family, model_id=model_id, alias=alias,
+                   served_names=tuple(dict.fromkeys(n for n in (model_id, alias) if n)),
+                   page_size=recipe.page_size, prefill_chunk=recipe.prefill_chunk,
+                   default_concurrency=recipe.concurrency.default, max_concurrency=recipe.concurrency.maximum,
+                   tensor_parallel_sizes=tuple(recipe.tensor_parallel_sizes_for(resolved.hf_config)),
+                   decode_capacities=tuple(recipe.decode_capacities),
+                   sampling_defaults=sampling.defaults(),
+                   sampling_ranges={name: list(bounds) for name, bounds in sampling.ranges.items()},
+                   export_repository=checkpoint.export_repository if checkpoint is not None else None)
 
 
 @dataclass(frozen=True)
@@ -70,11 +67,13 @@ class Settings:
     """The parts of the configuration file export reads ([publishing], [paths], [defaults], [memory])."""
 
     config_dir: Path
+    config_path: Path
     publishing: dict
     package_cache: Path
     max_concurrency: int | None
     memory_reserve_bytes: int
     exists: bool
+    config: object                                 # the flare.config.Config they came from
 
 
 @dataclass(frozen=True)
@@ -99,28 +98,17 @@ class CheckpointSource:
 
 
 def load_settings(config_path: Path | None) -> Settings:
-    path = Path(config_path).expanduser() if config_path else DEFAULT_CONFIG.expanduser()
-    if config_path is not None and not path.is_file():
-        raise UsageError(f"configuration file {path} does not exist")
-    try:
-        document = tomllib.loads(path.read_text()) if path.is_file() else {}
-    except tomllib.TOMLDecodeError as error:
-        raise UsageError(f"configuration file {path} is not valid TOML: {error}") from None
-    paths, defaults, memory = (document.get(k, {}) for k in ("paths", "defaults", "memory"))
-    return Settings(config_dir=config_dir_for(path if config_path else None),
-                    publishing=dict(document.get("publishing", {})),
-                    package_cache=Path(paths.get("package_cache") or DEFAULT_CACHE_ROOT).expanduser(),
-                    max_concurrency=defaults.get("max_concurrency"),
-                    memory_reserve_bytes=parse_size(str(memory.get("reserve", "0"))),
-                    exists=path.is_file())
-
-
-def parse_size(text: str) -> int:
-    match = _SIZE.match(text)
-    if not match:
-        raise UsageError(f"memory size {text!r} is not a size such as 12G or 512MiB")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)
+    """The configuration file's values export needs (flare.config does the reading and validation)."""
+    from flare.config import load_config
+    config = load_config(config_path)
+    publishing = config.publishing
+    return Settings(config_dir=config.config_dir, config_path=config.path,
+                    publishing={"signing_key": str(publishing.signing_key), "namespace": publishing.namespace,
+                                "official_source": publishing.official_source} if publishing else {},
+                    package_cache=Path(config.paths.package_cache).expanduser(),
+                    max_concurrency=config.defaults.max_concurrency,
+                    memory_reserve_bytes=config.memory.reserve or 0, exists=config.path.is_file(),
+                    config=config)
 
 
 def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportOptions = ExportOptions(),
@@ -182,7 +170,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         entry = export_entry(spec, cache, identity, options.weight_mode, reuse_from, ExportHooks(on_payload))
         phase.done(f"{counts['written']} payloads written, {counts['reused']} reused, "
                    f"{format_bytes(counts['bytes'])}; signed by {identity.namespace}")
-    _write_initial_config(options.config_path, settings)
+    _write_initial_config(settings, recipe, plan)
     return entry
 
 
@@ -212,7 +200,9 @@ def _count_gpus(gpus: str) -> int:
 
 
 def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str) -> dict:
-    concurrency = options.max_concurrency or settings.max_concurrency or recipe.default_concurrency
+    configured = settings.config.setting_for_model("max_concurrency", (recipe.model_id, *recipe.served_names,
+                                                                        recipe.alias))
+    concurrency = options.max_concurrency or configured or recipe.default_concurrency
     if not 1 <= concurrency <= recipe.max_concurrency:
         raise UsageError(f"--max-concurrency {concurrency} is outside {recipe.name}'s range "
                          f"1 through {recipe.max_concurrency}")
@@ -271,11 +261,12 @@ def _reuse_source(cache: ModelCache, recipe: RecipeFacts, options: ExportOptions
     return open_package(cache.entry_path(cache.resolve(f"{key}@{version}")), trust)
 
 
-def _write_initial_config(config_path: Path | None, settings: Settings) -> None:
+def _write_initial_config(settings: Settings, recipe: RecipeFacts, plan: dict) -> None:
+    """The first export writes the configuration file with the resolved values as comments."""
     if settings.exists:
         return
-    try:
-        from flare.config import write_initial_config
-    except ImportError:
-        return                                     # the configuration module has not landed yet
-    write_initial_config(config_path)
+    from flare.config import write_initial_config
+    write_initial_config(settings.config_path, {
+        "defaults": {"model": recipe.alias or recipe.model_id, "max_concurrency": plan["max_concurrency"]},
+        "memory": {"reserve": str(plan["memory_reserve_bytes"])},
+        "paths": {"package_cache": str(settings.package_cache)}})

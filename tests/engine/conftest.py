@@ -22,3 +22,20 @@ def make_fake_core():
     yield make
     for core in cores:
         core.check_integrity()
+
+
+@pytest.fixture
+def checked():
+    """Register engines (LLMEngine or EngineCore); after the test every page must be back and the books clean."""
+    engines = []
+
+    def register(engine):
+        engines.append(engine)
+        return engine
+
+    yield register
+    for engine in engines:
+        engine.check_integrity()
+        core = getattr(engine, "core", engine)
+        if not core.has_unfinished():
+            assert core.allocator.num_used_pages == 0, "a finished engine still holds pages"

@@ -90,19 +90,9 @@ class EngineCore:
     # ---- internals -------------------------------------------------------------------------------
 
     def _validate(self, engine_request: EngineRequest) -> None:
-        prompt = engine_request.prompt_token_ids
         if engine_request.request_id in self.requests:
             raise InvalidRequest(f"request id {engine_request.request_id!r} is already in use")
-        if not prompt:
-            raise InvalidRequest("the prompt is empty; send at least one token")
-        if len(prompt) >= self.config.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt)} tokens, but this model serves at most "
-                f"{self.config.max_model_len} tokens of prompt and output together; shorten the prompt")
-        vocab_size = self.runner.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+        validate_prompt(engine_request.prompt_token_ids, self.config.max_model_len, self.runner.vocab_size)
 
     def _update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[CoreOutput]:
         outputs = []
@@ -135,3 +125,16 @@ class EngineCore:
             del self.requests[request.request_id]
             self.scheduler.finish(request)
         return output
+
+
+def validate_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequest for a prompt the engine cannot serve (empty, too long, unknown ids)."""
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt is empty; send at least one token")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_token_ids)} tokens, but this model serves at most {max_model_len} "
+            "tokens of prompt and output together; shorten the prompt")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")

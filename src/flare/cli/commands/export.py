@@ -24,8 +24,8 @@ def configure(parser):
                         help="Hugging Face target recorded for the exported entry (default: the recipe's)")
     parser.add_argument("--official-source", metavar="URL",
                         help="published repository URL under the configured publisher namespace")
-    parser.add_argument("--config", type=Path, metavar="PATH", help="configuration file "
-                        "(default ~/.config/flare/config.toml)")
+    parser.add_argument("--config", type=Path, metavar="PATH",
+                        help="configuration file (default ~/.config/flare/config.toml)")
     parser.add_argument("--verbose", action="store_true", help="per-phase detail on stderr")
 
 
@@ -48,37 +48,9 @@ def run(args) -> int:
 
 
 def _resolve(args):
-    """MODEL to a local checkpoint and its recipe, through flare.resolve when it is available."""
-    from flare.errors import UsageError
+    """MODEL (or defaults.model) to a complete local checkpoint and the facts of its recipe."""
     from flare.prepare import CheckpointSource, RecipeFacts
-    try:
-        from flare.resolve import fetch, resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        config = _load_config(args.config)
-        resolved = resolve_model(args.model, config)
-        directory = Path(fetch(resolved))
-        recipe = RecipeFacts.from_recipe(resolved.recipe, resolved.checkpoint,
-                                         model_id=_model_id(resolved, directory))
-        return CheckpointSource(directory, resolved.repo_id, resolved.revision), recipe
-    if not args.model or not Path(args.model).is_dir():
-        raise UsageError("MODEL must be a checkpoint directory in this build (model resolution is not available)")
-    directory = Path(args.model).resolve()
-    return CheckpointSource(directory), RecipeFacts(name="generic", model_id=directory.name,
-                                                    served_names=(directory.name,))
-
-
-def _model_id(resolved, directory: Path) -> str | None:
-    checkpoint = getattr(resolved, "checkpoint", None)
-    for name in ("served_name", "canonical_name"):
-        if checkpoint is not None and getattr(checkpoint, name, None):
-            return getattr(checkpoint, name)
-    if getattr(resolved, "repo_id", None):
-        return resolved.repo_id.split("/")[-1]
-    return directory.name
-
-
-def _load_config(path):
-    from flare.config import load_config
-    return load_config(path)
+    from flare.resolve import fetch, resolve_model
+    resolved = resolve_model(args.model, args.configuration)
+    directory = Path(fetch(resolved))
+    return CheckpointSource(directory, resolved.repo_id, resolved.revision), RecipeFacts.from_resolved(resolved)
