@@ -41,9 +41,11 @@ class ServingFrontend:
     _anchor: list[int] | None = field(default=None, repr=False)
 
     @classmethod
-    def from_dir(cls, directory: Path) -> "ServingFrontend":
-        """Load the tokenizer and chat template from a frontend directory (package assets or checkpoint)."""
+    def from_dir(cls, directory: Path, tokenizer: Any = None) -> "ServingFrontend":
+        """Load the tokenizer (unless given) and chat template from a frontend directory."""
         directory = Path(directory)
+        if tokenizer is not None:
+            return cls(tokenizer, ChatTemplate.from_dir(directory))
         try:
             from flare.frontend.tokenizer import load_tokenizer
         except ImportError:

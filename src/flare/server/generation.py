@@ -228,7 +228,7 @@ class Generation:
                 if item is done:
                     running -= 1
                 elif isinstance(item, BaseException):
-                    raise APIError(500, f"the engine failed this request: {item}") from item
+                    raise _engine_error(item) from item
                 else:
                     yield index, item
         finally:
@@ -246,6 +246,16 @@ class Generation:
         finally:
             await stream.aclose()
         return completions
+
+
+def _engine_error(error: BaseException) -> APIError:
+    """An engine exception as the HTTP error a client should see."""
+    kind = type(error).__name__
+    if kind == "InvalidRequest":                # the engine refused the request as given
+        return bad_request(str(error))
+    if kind == "EngineDeadError":
+        return APIError(503, f"the engine stopped: {error}")
+    return APIError(500, f"the engine failed this request: {error}")
 
 
 def usage_numbers(completions: Sequence[Completion], prompt_len: int) -> tuple[int, int, int]:

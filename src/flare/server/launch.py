@@ -52,6 +52,7 @@ class ServedModel:
     iter_weights: Callable[[], Iterator[tuple[str, Any]]]
     sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
     memory_reserve_bytes: int = 0
+    package_path: Path | None = None       # set for packages: the engine runs in its own process
 
 
 # ---- memory limit and KV pool -----------------------------------------------------------------------
@@ -241,9 +242,16 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     return cfg, network
 
 
-def start_engine(model: ServedModel, concurrency: int, pool: KVPool, device: str, stages: StageReporter):
-    """Load the weights, prepare execution and allocate the KV cache; returns the engine core."""
+def engine_config_for(model: ServedModel, concurrency: int, pool: KVPool):
     from flare.engine.config import EngineConfig
+
+    return EngineConfig(max_concurrency=concurrency, page_size=pool.page_size, num_pages=pool.pages,
+                        prefill_chunk=model.prefill_chunk, max_num_batched_tokens=max(model.prefill_chunk, concurrency),
+                        max_model_len=model.max_model_len)
+
+
+def start_in_process(model: ServedModel, concurrency: int, pool: KVPool, device: str, stages: StageReporter):
+    """debug-serve: load, prepare and allocate here; the core steps on a thread of this process."""
     from flare.engine.factory import LoadedModel, build_core
     from flare.frontend.tokenizer import eos_token_ids_of
 
@@ -251,21 +259,81 @@ def start_engine(model: ServedModel, concurrency: int, pool: KVPool, device: str
     with stages.stage("Prepare kernels and graphs") as stage:
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
     with stages.stage("Allocate caches") as stage:
-        engine_config = EngineConfig(max_concurrency=concurrency, page_size=pool.page_size, num_pages=pool.pages,
-                                     prefill_chunk=model.prefill_chunk,
-                                     max_num_batched_tokens=max(model.prefill_chunk, concurrency),
-                                     max_model_len=model.max_model_len)
         eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *eos_token_ids_of(model.frontend_dir, None))))
-        core = build_core(LoadedModel(cfg, network, eos, engine_config, device, model.dtype))
+        core = build_core(LoadedModel(cfg, network, eos, engine_config_for(model, concurrency, pool), device,
+                                      model.dtype))
         stage.note(f"{pool.tokens:,} KV tokens in {pool.pages:,} pages of {pool.page_size}")
-    return core
+
+    def client(frontend: Any) -> Any:
+        from flare.engine.llm_engine import LLMEngine
+        from flare.server.local_engine import ThreadedEngine
+
+        return ThreadedEngine(LLMEngine(core, frontend.tokenizer))
+    return client
 
 
-def engine_client(core: Any, frontend: Any) -> Any:
-    from flare.engine.llm_engine import LLMEngine
-    from flare.server.local_engine import ThreadedEngine
+def start_engine_process(model: ServedModel, concurrency: int, pool: KVPool, device: str,
+                         stages: StageReporter):
+    """flare run: the engine core loads the package in its own process; its progress drives the stages."""
+    import multiprocessing
+    import queue
+    import threading
 
-    return ThreadedEngine(LLMEngine(core, frontend.tokenizer))
+    from flare.engine.factory import ModelFactory
+    from flare.frontend.tokenizer import eos_token_ids_of, load_tokenizer
+    from flare.server.package_model import STAGE_ALLOCATE, STAGE_PREPARE, load_package_model
+
+    progress = multiprocessing.get_context("spawn").Queue()
+    factory = ModelFactory(load_package_model, (str(model.package_path), engine_config_for(model, concurrency, pool),
+                                                device, model.dtype, tuple(eos_token_ids_of(model.frontend_dir, None)),
+                                                progress))
+    outcome: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            from flare.engine.async_engine import AsyncEngine
+
+            outcome["tokenizer"] = load_tokenizer(model.frontend_dir)
+            outcome["engine"] = AsyncEngine(factory, outcome["tokenizer"])
+        except BaseException as error:            # reported by the stage that is showing
+            outcome["error"] = error
+
+    starter = threading.Thread(target=start, name="flare-engine-start", daemon=True)
+    starter.start()
+
+    def follow(stage, until: str | None) -> None:
+        """Advance `stage` from the engine's reports until it announces `until` (or finishes starting)."""
+        while True:
+            try:
+                message = progress.get(timeout=0.1)
+            except queue.Empty:
+                if not starter.is_alive():
+                    break
+                continue
+            if message[0] == "total":
+                stage.set_total(message[1] or None)
+            elif message[0] == "advance":
+                stage.advance(message[1])
+            elif message[0] == "stage" and message[1] == until:
+                return
+        if "error" in outcome:
+            raise outcome["error"]
+
+    with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
+        follow(stage, STAGE_PREPARE)
+        stage.note(f"{_gib(model.weight_bytes)} {model.dtype} on {device}, in the engine process")
+    with stages.stage(STAGE_PREPARE) as stage:
+        follow(stage, STAGE_ALLOCATE)
+        stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
+    with stages.stage(STAGE_ALLOCATE) as stage:
+        starter.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        stage.note(f"{pool.tokens:,} KV tokens in {pool.pages:,} pages of {pool.page_size}")
+    progress.close()
+    client = lambda frontend: outcome["engine"]
+    client.tokenizer = outcome["tokenizer"]
+    return client
 
 
 # ---- serving ------------------------------------------------------------------------------------------
@@ -283,12 +351,13 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     reserve = configured_reserve if configured_reserve is not None else model.memory_reserve_bytes
     device = serving_device()
     pool = size_kv_pool(model, concurrency, listener_options.kv_cache_limit, device, memory_limit, reserve)
-    core = start_engine(model, concurrency, pool, device, stages)
+    start = start_engine_process if model.package_path is not None else start_in_process
+    client = start(model, concurrency, pool, device, stages)
     with stages.stage("Load frontend") as stage:
-        frontend = ServingFrontend.from_dir(model.frontend_dir)
+        frontend = ServingFrontend.from_dir(model.frontend_dir, getattr(client, "tokenizer", None))
         stage.note("chat template from the package" if frontend.chat_template.from_model
                    else "no chat template in the package: plain role-prefixed chat layout")
-    engine = engine_client(core, frontend)
+    engine = client(frontend)
     try:
         server_config = getattr(config, "server", None)
         host = listener_options.host or getattr(server_config, "host", None) or "127.0.0.1"
@@ -412,7 +481,7 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         prepared_concurrency=int(plan["max_concurrency"]), max_model_len=int(max_model_len),
         weight_bytes=weight_bytes, iter_weights=package.iter_weights,
         sampling=SamplingPolicy(sampling.get("defaults") or {}, sampling.get("ranges") or {}),
-        memory_reserve_bytes=int(plan.get("memory_reserve_bytes") or 0))
+        memory_reserve_bytes=int(plan.get("memory_reserve_bytes") or 0), package_path=package.path)
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

@@ -1,0 +1,47 @@
+"""The model factory `flare run` hands the engine: runs in the engine-core process (spawned).
+
+It reopens the package the frontend already verified, builds the model on the meta-free device path,
+loads the weights from the memory-mapped payloads, and reports progress to the frontend's stage
+display over a multiprocessing queue: ("total", bytes), ("advance", bytes), ("stage", name).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+STAGE_PREPARE = "Prepare kernels and graphs"
+STAGE_ALLOCATE = "Allocate caches"
+
+
+def _report(progress: Any, *message: Any) -> None:
+    if progress is not None:
+        progress.put(message)
+
+
+def load_package_model(package_path: str, engine_config: Any, device: str, dtype: str,
+                       extra_eos_token_ids: tuple[int, ...] = (), progress: Any = None):
+    """A `LoadedModel` for the package at `package_path` (already verified by the caller)."""
+    import torch
+
+    from flare.engine.attention import TorchReferenceBackend
+    from flare.engine.factory import LoadedModel
+    from flare.models import ModelConfig, build_model
+    from flare.package.reader import open_unverified
+
+    package = open_unverified(Path(package_path))
+    _report(progress, "total", sum(r["size"] for r in package.weight_payloads()))
+    cfg = ModelConfig.from_hf_config(package.hf_config)
+    model = build_model(cfg, getattr(torch, dtype), device, TorchReferenceBackend())
+
+    def counted():
+        for name, tensor in package.iter_weights():
+            _report(progress, "advance", tensor.numel() * tensor.element_size())
+            yield name, tensor
+
+    model.load_hf_weights(counted())
+    _report(progress, "stage", STAGE_PREPARE)
+    eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *extra_eos_token_ids)))
+    loaded = LoadedModel(cfg, model, eos, engine_config, device, dtype)
+    _report(progress, "stage", STAGE_ALLOCATE)          # the engine allocates the KV cache next
+    return loaded
