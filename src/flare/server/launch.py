@@ -355,8 +355,8 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     client = start(model, concurrency, pool, device, stages)
     with stages.stage("Load frontend") as stage:
         frontend = ServingFrontend.from_dir(model.frontend_dir, getattr(client, "tokenizer", None))
-        stage.note("chat template from the package" if frontend.chat_template.from_model
-                   else "no chat template in the package: plain role-prefixed chat layout")
+        stage.note("the model's chat template" if frontend.chat_template.from_model
+                   else "no chat template: plain role-prefixed chat layout")
     engine = client(frontend)
     try:
         server_config = getattr(config, "server", None)

@@ -43,22 +43,9 @@ def run(args) -> int:
 
 
 def _resolve(model: str | None, configuration):
-    """MODEL to a local checkpoint directory and what its recipe says about serving it."""
-    from flare.errors import UsageError
+    """MODEL (or defaults.model) to a complete local checkpoint and what its recipe says about serving it."""
     from flare.prepare import RecipeFacts
+    from flare.resolve import fetch, resolve_model
 
-    try:
-        from flare.resolve import fetch, resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        resolved = resolve_model(model, configuration)
-        directory = Path(fetch(resolved))
-        checkpoint = getattr(resolved, "checkpoint", None)
-        model_id = getattr(checkpoint, "served_name", None) or (
-            resolved.repo_id.split("/")[-1] if getattr(resolved, "repo_id", None) else directory.name)
-        return directory, RecipeFacts.from_recipe(resolved.recipe, checkpoint, model_id=model_id)
-    if not model or not Path(model).is_dir():
-        raise UsageError("MODEL must be a checkpoint directory in this build (model resolution is not available)")
-    directory = Path(model).resolve()
-    return directory, RecipeFacts(name="generic", model_id=directory.name, served_names=(directory.name,))
+    resolved = resolve_model(model, configuration)
+    return Path(fetch(resolved)), RecipeFacts.from_resolved(resolved)

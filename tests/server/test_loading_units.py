@@ -1,0 +1,141 @@
+"""Pieces of `flare run` loading: stage display, listener addresses, memory limits, settings precedence."""
+
+from __future__ import annotations
+
+import io
+import socket
+
+import pytest
+
+from flare.errors import CapacityError, UsageError
+from flare.server.launch import (ListenerOptions, ServedModel, api_key, open_listener, parse_memory_limit,
+                                 serving_concurrency, served_names, size_kv_pool, url_for)
+from flare.ui.banner import show_banner
+from flare.ui.stages import StageReporter, bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_redirected_stages_are_plain_start_and_finish_lines():
+    out = io.StringIO()
+    stages = StageReporter(out)
+    with stages.stage("Load weights", total=100) as stage:
+        stage.advance(100)
+        stage.note("1 MiB")
+    with pytest.raises(RuntimeError):
+        with stages.stage("Allocate caches"):
+            raise RuntimeError("out of pages")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "Load weights ..."
+    assert lines[1].startswith("Load weights: OK (") and lines[1].endswith(") 1 MiB")
+    assert lines[3].startswith("Allocate caches: FAILED (")
+    assert "\x1b" not in out.getvalue()
+    assert not show_banner(out)
+
+
+def test_terminal_stages_show_a_ten_cell_bar_and_status(monkeypatch):
+    monkeypatch.delenv("TERM", raising=False)
+    out = Terminal()
+    stages = StageReporter(out)
+    with stages.stage("Verify package"):
+        pass
+    final = out.getvalue().rsplit("\r\x1b[2K", 1)[-1]
+    assert "Verify package" in final and "OK" in final and final.endswith("s\n")
+    assert bar(0.55, styled=False) == "[█████▌░░░░]"
+    assert bar(1.0, styled=False) == "[██████████]"
+    assert show_banner(out)
+
+
+def test_listener_accepts_numeric_ipv4_and_ipv6_only():
+    listener = open_listener("127.0.0.1", 0)
+    listener.close()
+    if socket.has_ipv6:
+        try:
+            listener = open_listener("::1", 0)
+        except UsageError:
+            pass                                     # no IPv6 loopback on this host
+        else:
+            assert listener.family == socket.AF_INET6
+            listener.close()
+    with pytest.raises(UsageError, match="numeric IPv4 or IPv6"):
+        open_listener("localhost", 0)
+    assert url_for("::1", 8001) == "http://[::1]:8001"
+
+
+def test_port_in_use_is_a_clear_error():
+    taken = open_listener("127.0.0.1", 0)
+    try:
+        with pytest.raises(UsageError, match="choose another --port"):
+            open_listener("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()
+
+
+@pytest.mark.parametrize("text, kind, value", [("30g", "occupied", 30 << 30), ("-30G", "reserve", 30 << 30),
+                                               ("-0g", "reserve", 0), ("0.8", "fraction", 0.8),
+                                               ("512MiB", "occupied", 512 << 20)])
+def test_memory_limit_forms(text, kind, value):
+    limit = parse_memory_limit(text)
+    assert (limit.kind, limit.value) == (kind, value)
+
+
+@pytest.mark.parametrize("text", ["0", "1.5", "-0.2", "nan", "30", "lots"])
+def test_memory_limit_rejects(text):
+    with pytest.raises(UsageError):
+        parse_memory_limit(text)
+
+
+def _model(**changes) -> ServedModel:
+    values = dict(canonical_id="Tiny-1", served_names=("tiny",), hf_config={}, frontend_dir=None, dtype="float32",
+                  page_size=16, prefill_chunk=64, prepared_concurrency=8, max_model_len=512, weight_bytes=1,
+                  iter_weights=lambda: iter(()))
+    values.update(changes)
+    return ServedModel(**values)
+
+
+class Config:
+    def __init__(self, configured=None, key=None):
+        self.configured = configured
+        self.server = type("Server", (), {"api_key": key})()
+
+    def setting_for_model(self, key, names):
+        return self.configured
+
+
+def test_concurrency_precedence_and_the_prepared_capacity():
+    assert serving_concurrency(None, None, _model()) == 8
+    assert serving_concurrency(None, Config(4), _model()) == 4
+    assert serving_concurrency(2, Config(4), _model()) == 2
+    with pytest.raises(CapacityError, match="prepared for at most 8"):
+        serving_concurrency(16, None, _model())
+
+
+def test_served_names_and_api_key_precedence(tmp_path):
+    assert served_names(ListenerOptions(), _model()) == ("tiny",)
+    assert served_names(ListenerOptions(served_model_name="mine"), _model()) == ("mine",)
+    with pytest.raises(UsageError):
+        served_names(ListenerOptions(served_model_name="  "), _model())
+    assert api_key(ListenerOptions(), Config(key="from-config")) == "from-config"
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert api_key(ListenerOptions(api_key_file=empty), Config(key="from-config")) is None
+    keyed = tmp_path / "key"
+    keyed.write_text("secret\n")
+    assert api_key(ListenerOptions(api_key_file=keyed), Config(key="from-config")) == "secret"
+    with pytest.raises(UsageError, match="cannot read"):
+        api_key(ListenerOptions(api_key_file=tmp_path / "missing"), None)
+
+
+def test_kv_pool_follows_the_kv_cache_limit(stories260k):
+    import json
+
+    hf_config = json.loads((stories260k / "config.json").read_text())
+    model = _model(hf_config=hf_config)
+    context = size_kv_pool(model, 8, "context", "cpu", None, 0)
+    assert context.tokens == 512 and "context" in context.limited_by
+    per_request = size_kv_pool(model, 8, "concurrency", "cpu", None, 0)
+    assert per_request.tokens == 8 * 512
+    assert per_request.bytes == 8 * 512 * 2 * 5 * 4 * 8 * 4       # K and V, 5 layers, 4 heads of 8, fp32
