@@ -9,7 +9,6 @@ import pytest
 from flare.engine.async_engine import AsyncEngine
 from flare.engine.config import EngineConfig
 from flare.engine.core import InvalidRequest
-from flare.engine.factory import ModelFactory, load_checkpoint_model
 from flare.engine.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
@@ -27,8 +26,7 @@ def tokenizer(stories260k):
 
 @pytest.fixture(scope="module")
 def async_engine(stories260k, tokenizer):
-    engine = AsyncEngine(ModelFactory(load_checkpoint_model, (str(stories260k),), {"engine_config": CONFIG}),
-                         tokenizer, seed=0)
+    engine = AsyncEngine.from_checkpoint(stories260k, CONFIG, seed=0)
     yield engine
     engine.shutdown()
 

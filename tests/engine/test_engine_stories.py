@@ -120,3 +120,15 @@ def test_a_too_long_prompt_is_refused(engine):
 
     with pytest.raises(InvalidRequest, match="shorten the prompt"):
         engine(max_model_len=8, num_pages=2, page_size=4).add_request("r", list(range(3, 20)))
+
+
+def test_a_repeated_prompt_reuses_cached_pages_and_gives_the_same_text(engine, reference):
+    llm = engine(page_size=4, num_pages=128)
+    prompt = reference["prompt_ids"] + reference["greedy_ids"][:30]      # 35 tokens: 8 full pages
+    params = SamplingParams(temperature=0, max_tokens=20)
+    [first] = llm.generate([prompt], params)
+    [second] = llm.generate([prompt], params)
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
+    assert second.new_token_ids == first.new_token_ids == tuple(reference["greedy_ids"][30:50])
+    [uncached] = engine(page_size=4, num_pages=128, enable_prefix_caching=False).generate([prompt], params)
+    assert uncached.new_token_ids == first.new_token_ids

@@ -69,6 +69,17 @@ class AsyncEngine:
         self._reader = threading.Thread(target=self._read_outputs, name="flare-engine-outputs", daemon=True)
         self._reader.start()
 
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, engine_config=None, device: str = "cpu",
+                        dtype: str = "float32", seed: int | None = None) -> AsyncEngine:
+        """Serve a Hugging Face checkpoint directory (the core process loads the weights)."""
+        from flare.engine.factory import ModelFactory, load_checkpoint_model
+        from flare.frontend.tokenizer import load_tokenizer
+
+        factory = ModelFactory(load_checkpoint_model, (str(directory),),
+                               {"engine_config": engine_config, "device": device, "dtype": dtype})
+        return cls(factory, load_tokenizer(directory), seed)
+
     # ---- what serving calls ----------------------------------------------------------------------
 
     @property
