@@ -9,6 +9,7 @@ import pytest
 from flare.engine.async_engine import AsyncEngine
 from flare.engine.config import EngineConfig
 from flare.engine.core import InvalidRequest
+from flare.engine.factory import ModelFactory, load_checkpoint_model
 from flare.engine.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
@@ -96,3 +97,10 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_core_that_cannot_load_its_model_says_why(tokenizer, tmp_path):
+    from flare.engine.async_engine import EngineDeadError
+
+    with pytest.raises(EngineDeadError, match="config.json"):
+        AsyncEngine(ModelFactory(load_checkpoint_model, (str(tmp_path / "missing"),)), tokenizer)
