@@ -8,10 +8,12 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.server.conftest import cli_command, cli_env, free_port
 
 
+@pytest.mark.slow
 def test_debug_serve_answers_without_writing_a_package(stories260k, tmp_path):
     port = free_port()
     log_path = tmp_path / "debug-serve.log"

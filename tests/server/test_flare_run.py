@@ -34,7 +34,8 @@ def server(home, stories260k):
     export_package(stories260k, home, "--max-concurrency", "32")
     key_file = home / "api-key"
     key_file.write_text(KEY + "\n")
-    process = FlareProcess(home, "stories260k", "--served-model-name", ALIAS, "--api-key-file", str(key_file))
+    process = FlareProcess(home, "stories260k", "--served-model-name", ALIAS, "--api-key-file", str(key_file),
+                           "--verify-weights")
     process.start()
     yield process
     process.stop()
@@ -72,6 +73,7 @@ def test_startup_shows_stages_and_the_kv_report(server):
     for stage in ("Verify package", "Publisher acceptance", "Verify stored data", "Load weights",
                   "Prepare kernels and graphs", "Allocate caches", "Load frontend", "Start HTTP"):
         assert f"{stage}: OK" in log
+    assert "all weights" in log                        # --verify-weights hashed them
     assert "\x1b[" not in log                          # redirected output: plain lines only
     assert "KV cache:" in log and "tokens allocated" in log and "limited by" in log
     assert "footprint:" in log
@@ -249,6 +251,7 @@ def test_disconnect_mid_stream_frees_the_request(server):
     assert stats["kv_pages_used"] == 0                 # every page is back (cached pages count as free)
 
 
+@pytest.mark.slow
 def test_128_concurrent_streams_deliver_every_token(server):
     async def one(client, index: int, rng: random.Random):
         length = rng.randint(1, 24)

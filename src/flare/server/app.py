@@ -95,6 +95,10 @@ class SSEResponse(StreamingResponse):
         except APIError as error:               # headers are gone: report the failure as an event
             await send({"type": "http.response.body", "body": self._error_event(error).encode(),
                         "more_body": True})
+        except Exception as error:              # a bug: still end the stream in the API's own terms
+            failure = APIError(500, f"the server failed while streaming: {type(error).__name__}: {error}")
+            await send({"type": "http.response.body", "body": self._error_event(failure).encode(),
+                        "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _error_event(self, error: APIError) -> str:

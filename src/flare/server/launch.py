@@ -317,7 +317,7 @@ def start_engine_process(model: ServedModel, concurrency: int, pool: KVPool, dev
             elif message[0] == "stage" and message[1] == until:
                 return
         if "error" in outcome:
-            raise outcome["error"]
+            raise _startup_error(outcome["error"])
 
     with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
         follow(stage, STAGE_PREPARE)
@@ -328,12 +328,21 @@ def start_engine_process(model: ServedModel, concurrency: int, pool: KVPool, dev
     with stages.stage(STAGE_ALLOCATE) as stage:
         starter.join()
         if "error" in outcome:
-            raise outcome["error"]
+            raise _startup_error(outcome["error"])
         stage.note(f"{pool.tokens:,} KV tokens in {pool.pages:,} pages of {pool.page_size}")
     progress.close()
     client = lambda frontend: outcome["engine"]
     client.tokenizer = outcome["tokenizer"]
     return client
+
+
+def _startup_error(error: BaseException) -> BaseException:
+    """User-facing errors pass through; an engine that could not load becomes a preparation error (5)."""
+    from flare.errors import FlareError, PreparationError
+
+    if isinstance(error, FlareError):
+        return error
+    return PreparationError(f"the engine could not load the model: {error}")
 
 
 # ---- serving ------------------------------------------------------------------------------------------
@@ -433,17 +442,34 @@ class RunOptions:
 
 
 def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
-    from flare.package import format as fmt
-    from flare.package import verify
-    from flare.package.reader import Package, _read_small_payloads, resolve_target
-    from flare.package.trust import authorize, verify_signature
+    import contextlib
+
+    from flare.package.store import lease_entry
 
     stream = stream or sys.stderr
     show_banner(stream, "loading " + str(options.target))
     stages = StageReporter(stream)
     cache_root = options.model_cache or getattr(getattr(options.config, "paths", None), "package_cache", None)
+    with contextlib.ExitStack() as held:
+        package = _open_package(options, stages, cache_root, stream,
+                                lambda path: held.enter_context(lease_entry(path, cache_root)))
+        held.callback(package.close)
+        weight_bytes = sum(r["size"] for r in package.weight_payloads())
+        return serve(_package_model(package, weight_bytes), options.listener, options.config, stages, stream)
+
+
+def _open_package(options: RunOptions, stages: StageReporter, cache_root: Path | None, stream: TextIO,
+                  hold: Callable[[Path], Any]):
+    """The first three loading stages: signature, publisher acceptance, stored data. Holds the entry's
+    lease (so `flare models remove` refuses it) from the moment it is found."""
+    from flare.package import format as fmt
+    from flare.package import verify
+    from flare.package.reader import Package, _read_small_payloads, resolve_target
+    from flare.package.trust import authorize, verify_signature
+
     with stages.stage("Verify package") as stage:
         path = resolve_target(options.target, cache_root)
+        hold(path)
         files = fmt.read_package_files(path)
         manifest = files.primary.manifest
         key, key_source = verify_signature(files.primary.manifest_body, files.primary.signature, manifest,
@@ -453,20 +479,14 @@ def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
         trust = authorize(manifest, key, key_source, options.trust, stream)
         stage.note(f"{trust.namespace} ({trust.identity})")
     weights = [r for r in manifest["payloads"] if r["kind"] == "weights"]
-    weight_bytes = sum(r["size"] for r in weights)
-    scanned = weight_bytes if options.trust.verify_weights else 0
+    scanned = sum(r["size"] for r in weights) if options.trust.verify_weights else 0
     with stages.stage("Verify stored data", total=scanned or None) as stage:
         verify.check_layout(files, manifest["payloads"])
         frontend_assets, catalogs = _read_small_payloads(files, manifest)
         if options.trust.verify_weights:
             verify.verify_payloads(files, weights, stage.advance)
-        package = Package(path, files, manifest, trust, frontend_assets, catalogs)
         stage.note("frontend and graph catalogs" + (", all weights" if scanned else ""))
-    try:
-        model = _package_model(package, weight_bytes)
-        return serve(model, options.listener, options.config, stages, stream)
-    finally:
-        package.close()
+    return Package(path, files, manifest, trust, frontend_assets, catalogs)
 
 
 def _package_model(package: Any, weight_bytes: int) -> ServedModel:
