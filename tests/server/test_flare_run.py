@@ -285,6 +285,20 @@ def test_128_concurrent_streams_deliver_every_token(server):
     assert "flare_time_to_first_token_seconds_count" in metrics and "flare_kv_cache_usage_ratio" in metrics
 
 
+def test_sampling_controls_reach_the_sampler(oai):
+    reference = greedy(oai, PROMPT, 10).choices[0].text
+    top_one = oai.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=3,
+                                     extra_body={"top_k": 1, "ignore_eos": True}).choices[0].text
+    assert top_one == reference                                  # top_k 1 leaves only the best token
+    forced = oai.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=0,
+                                    logit_bias={"300": 100}, extra_body={"ignore_eos": True}).choices[0]
+    assert len(set(forced.logprobs.tokens)) == 1                  # +100 on one token makes it certain
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        oai.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=2, logit_bias={"99999": 5})
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        oai.completions.create(model=ALIAS, prompt=[1, 99999], max_tokens=2)
+
+
 def test_sigterm_drains_active_requests_then_exits(server, oai):
     """Last in the module: it stops the server. A stream in flight still gets every token."""
     received: list[str] = []
@@ -310,3 +324,4 @@ def test_sigterm_drains_active_requests_then_exits(server, oai):
     assert server.process.wait(timeout=60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=2)
+

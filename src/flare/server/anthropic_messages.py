@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncIterator
 
 from flare.frontend.chat_template import ChatTemplateError
@@ -22,6 +23,9 @@ def _block_text(block: AnthropicBlock) -> str | None:
         return "".join(str(part.get("text", "")) for part in block.content or [] if isinstance(part, dict))
     if block.type in _SKIPPED_BLOCKS:
         return None
+    if block.type == "tool_use":                     # an earlier turn's call, kept readable in the history
+        extra = block.model_extra or {}
+        return f"[tool call {extra.get('name', '')}: {json.dumps(extra.get('input', {}), ensure_ascii=False)}]"
     raise bad_request(f"content blocks of type {block.type!r} are not supported: this model reads text only")
 
 

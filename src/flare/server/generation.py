@@ -88,7 +88,20 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(value for value in values if value)
 
 
-def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def vocabulary_size(frontend: Any) -> int | None:
+    return getattr(getattr(frontend, "tokenizer", None), "vocab_size", None)
+
+
+def check_token_ids(frontend: Any, token_ids, param: str) -> None:
+    size = vocabulary_size(frontend)
+    if size is None:
+        return
+    bad = [t for t in token_ids if not 0 <= t < size]
+    if bad:
+        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1})", param=param)
+
+
+def _logit_bias(frontend: Any, raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     if not raw:
         return ()
     bias = []
@@ -97,7 +110,8 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
             token_id = int(key)
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        bias.append((token_id, min(max(float(value), -100.0), 100.0)))
+        bias.append((token_id, min(max(float(value), -100.0), 100.0)))   # OpenAI's range
+    check_token_ids(frontend, [token_id for token_id, _ in bias], "logit_bias")
     return tuple(bias)
 
 
@@ -162,7 +176,7 @@ class Generation:
                                   stop_token_ids=stop_ids, ignore_eos=requested.ignore_eos,
                                   include_stop_str_in_output=requested.include_stop_str_in_output,
                                   skip_special_tokens=requested.skip_special_tokens,
-                                  logit_bias=_logit_bias(requested.logit_bias), logprobs=requested.logprobs,
+                                  logit_bias=_logit_bias(self.frontend, requested.logit_bias), logprobs=requested.logprobs,
                                   prompt_logprobs=requested.prompt_logprobs, **values)
         except InvalidSamplingParams as error:
             raise bad_request(str(error)) from None

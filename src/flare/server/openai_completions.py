@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Sequence
 from flare.engine.outputs import TokenLogprob
 from flare.server import sse
 from flare.server.errors import bad_request
-from flare.server.generation import Generation, new_id
+from flare.server.generation import Generation, check_token_ids, new_id
 from flare.server.openai_common import _finite, requested_sampling, usage
 from flare.server.schemas import CompletionRequest
 
@@ -26,6 +26,7 @@ def _prompts(gen: Generation, prompt: Any) -> list[list[int]]:
         ids = gen.frontend.encode(item) if isinstance(item, str) else list(item)
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")
+        check_token_ids(gen.frontend, ids, "prompt")
         prompts.append(ids)
     return prompts
 

@@ -107,7 +107,8 @@ class ResponsesRequest(_Body):
 
 # ---- Anthropic Messages ------------------------------------------------------------------------
 
-class AnthropicBlock(_Body):
+class AnthropicBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")         # tool_use keeps its name and input
     type: str
     text: str | None = None
     content: Union[str, list[dict[str, Any]], None] = None   # tool_result blocks carry their text here
