@@ -475,7 +475,7 @@ def _open_package(options: RunOptions, stages: StageReporter, cache_root: Path |
         key, key_source = verify_signature(files.primary.manifest_body, files.primary.signature, manifest,
                                            files.primary.profile_json, options.trust, str(files.primary_path))
         stage.note(f"{manifest['model_id']} {manifest['version']}, signed by {manifest['publisher']['namespace']}")
-    with stages.stage("Publisher acceptance") as stage:
+    with stages.stage("Publisher acceptance", animate=False) as stage:      # it may prompt at a terminal
         trust = authorize(manifest, key, key_source, options.trust, stream)
         stage.note(f"{trust.namespace} ({trust.identity})")
     weights = [r for r in manifest["payloads"] if r["kind"] == "weights"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sys
 import threading
@@ -26,6 +27,7 @@ _GREEN = "\x1b[32m"
 _RED = "\x1b[31m"
 _RESET = "\x1b[0m"
 _FULL, _HALF, _EMPTY = "█", "▌", "░"
+_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 _WAVE = ("\x1b[38;5;51m", "\x1b[38;5;44m", "\x1b[38;5;37m", "\x1b[38;5;30m", "\x1b[38;5;240m")
 
 
@@ -88,14 +90,15 @@ class StageReporter:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def stage(self, name: str, total: float | None = None) -> Iterator[Stage]:
+    def stage(self, name: str, total: float | None = None, animate: bool = True) -> Iterator[Stage]:
+        """One stage. `animate=False` keeps the terminal still (for a stage that may ask a question)."""
         stage = Stage(name, total)
         stop = threading.Event()
         animator = None
-        if self.styled:
+        if self.styled and animate:
             animator = threading.Thread(target=self._animate, args=(stage, stop), daemon=True)
             animator.start()
-        else:
+        elif not self.styled:
             self._write(f"{name} ...\n")
         status = "OK"
         try:
@@ -115,7 +118,7 @@ class StageReporter:
         self._write(text + "\n")
 
     def _row(self, stage: Stage, right: str, width: int) -> str:
-        room = max(8, min(self.NAME_WIDTH, width - len(right) - 4))
+        room = max(8, min(self.NAME_WIDTH, width - len(_ESCAPE.sub("", right)) - 4))
         name = stage.name if len(stage.name) <= room else stage.name[:room - 1] + "…"
         return f"  {name:<{room}} {right}"
 
