@@ -210,3 +210,11 @@ def test_health_is_503_until_an_engine_is_attached(stories260k):
         assert reply.status_code == 503 and "loading" in reply.json()["error"]["message"]
         app.state.serving.attach_engine(StandinEngine(frontend), frontend)
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_unknown_routes_answer_in_the_api_shape(served):
+    headers = {"x-api-key": KEY}
+    reply = httpx.post(served.url + "/v1/embeddings", json={}, headers=headers)
+    assert reply.status_code == 404 and "not served here" in reply.json()["error"]["message"]
+    reply = httpx.get(served.url + "/v1/messages", headers=headers)
+    assert reply.status_code == 405 and reply.json()["type"] == "error"

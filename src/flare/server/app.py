@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from flare.server import (anthropic_messages, openai_chat, openai_completions, openai_responses, sse)
@@ -186,6 +187,14 @@ def build_app(engine: Any, frontend: Any, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error_body(error, family_for_path(request.url.path)), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods, answered in the caller's API shape too."""
+        message = (f"{request.method} {request.url.path} is not served here" if error.status_code in (404, 405)
+                   else str(error.detail))
+        body = error_body(APIError(error.status_code, message), family_for_path(request.url.path))
+        return JSONResponse(body, status_code=error.status_code)
 
     app.add_middleware(AuthMiddleware, api_key=settings.api_key)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -74,8 +74,6 @@ class ServerMetrics:
                                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e_latency = Histogram("flare_e2e_request_latency_seconds", "Time from arrival to the last token",
                                      buckets=_E2E_BUCKETS, registry=r)
-        self.http_active = Gauge("flare_http_requests_active", "Generation requests in flight over HTTP",
-                                 registry=r)
         r.register(_EngineCollector(read_engine_stats))
 
     def render(self) -> bytes:
