@@ -77,9 +77,11 @@ class AsyncEngine:
         from flare.engine.factory import ModelFactory, load_checkpoint_model
         from flare.frontend.tokenizer import load_tokenizer
 
+        tokenizer = load_tokenizer(directory)
         factory = ModelFactory(load_checkpoint_model, (str(directory),),
-                               {"engine_config": engine_config, "device": device, "dtype": dtype})
-        return cls(factory, load_tokenizer(directory), seed)
+                               {"engine_config": engine_config, "device": device, "dtype": dtype,
+                                "extra_eos_token_ids": tokenizer.eos_token_ids})
+        return cls(factory, tokenizer, seed)
 
     # ---- what serving calls ----------------------------------------------------------------------
 
