@@ -130,7 +130,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         device, tensor_parallel = _select_device(options.gpus, recipe)
         dtype = options.dtype or recipe.dtype or ("bfloat16" if device == "cuda" else "float32")
         plan = _plan(recipe, options, settings, hf_config, dtype)
-        phase.done(f"{'CPU' if device == 'cpu' else 'GPUs ' + (options.gpus or '0')}; {dtype}; "
+        phase.done(f"{_device_label(device, options.gpus)}; {dtype}; "
                    f"concurrency {plan['max_concurrency']}, prefill chunk {plan['prefill_chunk']:,}")
     with progress.phase("Load weights") as phase:
         from flare.package import weights as wt
@@ -187,6 +187,14 @@ def _select_device(gpus: str | None, recipe: RecipeFacts) -> tuple[str, int]:
     if count > torch.cuda.device_count():
         raise UsageError(f"needs {count} GPUs; {torch.cuda.device_count()} visible; use --gpus 0-{count - 1}")
     return "cuda", count
+
+
+def _device_label(device: str, gpus: str | None) -> str:
+    import os
+    if device == "cpu":
+        return "CPU (no CUDA GPU visible)"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")       # the one variable Flare reads (spec section 1)
+    return f"GPU {gpus or '0'}" + (f" of CUDA_VISIBLE_DEVICES={visible}" if visible else "")
 
 
 def _count_gpus(gpus: str) -> int:

@@ -79,3 +79,12 @@ def test_ignition_convert_command(export, tmp_path, capsys):
     assert main(["convert", str(entry), "--form", "packed", "--output", str(tmp_path / "p.safetensors")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "p.safetensors")
     assert main(["convert", str(entry), "--output", str(tmp_path / "p.safetensors")]) == 2
+
+
+def test_ignition_convert_names_the_output_after_the_entry(export, tmp_path, monkeypatch, capsys):
+    from flare.cli.ignition import main
+    entry = export()
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", str(entry), "--form", "packed"]) == 0
+    written = tmp_path / f"stories260k-{entry.name}.safetensors"
+    assert capsys.readouterr().out.strip() == written.name and written.is_file()

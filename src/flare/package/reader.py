@@ -114,7 +114,7 @@ def open_package(target: str | Path, trust: TrustOptions | None = None, cache_ro
                                    trust, str(files.primary_path))
     result = authorize(manifest, key, source, trust, stream)
     verify.check_layout(files, manifest["payloads"])
-    frontend, catalogs = _read_small_payloads(files, manifest)
+    frontend, catalogs = read_small_payloads(files, manifest)
     if trust.verify_weights:
         verify.verify_payloads(files, [r for r in manifest["payloads"] if r["kind"] == "weights"], on_verify_bytes)
     return Package(path, files, manifest, result, frontend, catalogs)
@@ -127,7 +127,7 @@ def open_unverified(target: str | Path, cache_root: Path | None = None) -> Packa
     return Package(path, files, files.primary.manifest, None, {}, {})
 
 
-def _read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[str, bytes], dict[str, dict]]:
+def read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[str, bytes], dict[str, dict]]:
     """Frontend assets and graph catalogs, from bytes whose hashes were just checked."""
     frontend: dict[str, bytes] = {}
     catalogs: dict[str, dict] = {}
@@ -141,6 +141,9 @@ def _read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[
         else:
             catalogs[record["name"]] = json.loads(metadata.get("flare.graph_catalog", "{}"))
     return frontend, catalogs
+
+
+_read_small_payloads = read_small_payloads          # the name an earlier revision exported
 
 
 def _decode(data: bytes, name: str) -> tuple[dict[str, bytes], dict[str, str]]:
