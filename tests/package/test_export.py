@@ -140,3 +140,22 @@ def test_ignition_export_rejects_both_weight_flags(stories260k, capsys):
     from flare.cli.ignition import main
     assert main(["export", str(stories260k), "--no-weights", "--reuse-weights"]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_concurrent_exports_publish_distinct_versions(export, cache_root):
+    import threading
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(export())
+        except Exception as error:                  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(set(results)) == 3
+    assert len(ModelCache(cache_root).entries()) == 3
