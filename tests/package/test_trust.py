@@ -114,7 +114,7 @@ class _ProfileServer:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/example/model"
 
     def close(self):
@@ -161,3 +161,12 @@ def test_an_absent_profile_leaves_identity_unverified(published):
     fingerprint = Profile.load(profile_path).keys[0].fingerprint
     package = open_package(entry, _options(offline=False, approve_key=fingerprint, accept_publisher="example"))
     assert package.trust.identity.startswith("unverified:") and "does not exist" in package.trust.identity
+
+
+def test_a_confirmed_identity_is_remembered_when_the_source_is_unreachable(published):
+    entry, server, profile_path = published
+    server.body = profile_path.read_bytes()
+    fingerprint = Profile.load(profile_path).keys[0].fingerprint
+    open_package(entry, _options(offline=False, approve_key=fingerprint, accept_publisher="example"))
+    server.body = None
+    assert open_package(entry, _options(offline=False)).trust.identity == "verified on an earlier load"

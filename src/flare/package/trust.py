@@ -237,6 +237,10 @@ def authorize(manifest: dict, key: PublicKey, key_source: str, options: TrustOpt
         return TrustResult(fingerprint, namespace, key_source, identity, remembered is not None)
     identity = check_online(manifest, options)
     if remembered is not None:
+        if identity == "verified" and remembered.get("identity") != "verified":
+            store.remember(key, namespace, identity, remembered.get("license"))
+        elif identity != "verified" and remembered.get("identity") == "verified":
+            identity = "verified on an earlier load"
         return TrustResult(fingerprint, namespace, key_source, identity, True)
     license_text = _license_line(manifest)
     if options.approve_key is not None:
