@@ -33,12 +33,18 @@ def make_console(stream: TextIO | None = None, plain: bool = False):
                    force_terminal=styled, highlight=False, emoji=False, soft_wrap=False)
 
 
-def render(sections: list[Section], stream: TextIO | None = None, plain: bool = False) -> None:
+def render(sections: list[Section], stream: TextIO | None = None, plain: bool = False,
+           banner_name: str | None = None) -> None:
+    """Print the sections; on a styled terminal, `banner_name` first appears in gradient block letters."""
     from rich import box
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
     console = make_console(stream, plain)
+    if banner_name and not console.no_color:
+        from flare.package.name_banner import render_lines
+        for line in render_lines(banner_name, console.width - 2):
+            console.print(line)
     for section in sections:
         if section.table is not None:
             header, rows = section.table
