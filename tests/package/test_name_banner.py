@@ -5,7 +5,7 @@ from flare.package.name_banner import HEIGHT, render_lines, supported, wrap
 
 def test_wraps_at_separators_and_splits_a_word_only_when_it_must():
     assert wrap("qwen3.8-27b", 200) == ["qwen3.8-27b"]
-    pieces = wrap("qwen3.8-27b-instruct", 30)
+    pieces = wrap("qwen3.8-27b-instruct", 40)
     assert "".join(pieces) == "qwen3.8-27b-instruct" and all(p.endswith(("-", ".")) for p in pieces[:-1])
     assert "".join(wrap("abcdefghijklmnop", 12)) == "abcdefghijklmnop"
 
