@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -68,7 +69,21 @@ def run(args):
     return 0
 
 
-COMMANDS = (Command("serve", "serve a package", __name__),)
+def _configure_cache(parser):
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    remove = actions.add_parser("remove", help="remove a version", description="remove a version")
+    remove.add_argument("version")
+    remove.add_argument("--clear-default", action="store_true")
+
+
+# A command with its own subcommands (as `flare models list`), registered as a module of its own.
+NESTED = types.ModuleType("cli_conventions_nested_command")
+NESTED.configure = _configure_cache
+NESTED.run = lambda args: CALLS.append((args, {})) or 0
+sys.modules[NESTED.__name__] = NESTED
+
+COMMANDS = (Command("serve", "serve a package", __name__),
+            Command("cache", "manage the cache", NESTED.__name__))
 
 
 @pytest.fixture
@@ -127,6 +142,21 @@ def test_help_anywhere_prints_the_command_help_and_runs_nothing(cli, capsys, arg
     assert cli(*argv) == 0
     assert CALLS == []
     assert "usage: prog serve" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [("cache", "remove", "--help"), ("help", "cache", "remove"),
+                                  ("cache", "remove", "model@1", "--clear-default", "-h")])
+def test_help_of_a_nested_command_describes_that_command(cli, capsys, argv):
+    assert cli(*argv) == 0
+    out = capsys.readouterr().out
+    assert "usage: prog cache remove" in out and "--clear-default" in out
+    assert CALLS == []
+
+
+def test_nested_commands_parse_and_run(cli):
+    assert cli("cache", "remove", "--clear-default", "model@1") == 0
+    args, _ = CALLS[-1]
+    assert args.action == "remove" and args.version == "model@1" and args.clear_default
 
 
 def test_help_of_the_program_lists_commands(cli, capsys):

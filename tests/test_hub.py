@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from hub_server import TEST_TOKEN, fake_commit, hub, write_checkpoint  # noqa: F401  (hub is a fixture)
 
-from flare.config import Config, HubConfig, default_paths
+from flare.config import Config, HubConfig, default_paths, load_config
 from flare.errors import FetchError, UsageError
 from flare.hub import (
     HubOptions,
@@ -102,11 +103,16 @@ def test_downloads_a_complete_snapshot_of_the_exact_commit(hub, tmp_path, option
         "model.safetensors.index.json", "tokenizer.json"]
 
 
-def test_skips_weights_in_formats_flare_does_not_load(hub, tmp_path, options):
-    commit = publish(hub, tmp_path, extra={"pytorch_model.bin": b"x" * 64, "original/consolidated.pth": b"y"})
+def test_skips_weights_in_formats_flare_does_not_load_and_copies_beside_the_index(hub, tmp_path, options):
+    extra = {"pytorch_model.bin": b"x" * 64, "original/consolidated.pth": b"y", "consolidated.safetensors": b"z" * 64,
+             "params.json": b"{}"}
+    commit = publish(hub, tmp_path, shards=2, extra=extra)
     path = download_snapshot(REPO, commit, options)
-    assert "pytorch_model.bin" not in snapshot_names(path)
-    assert "original/consolidated.pth" not in snapshot_names(path)
+    names = snapshot_names(path)
+    assert "params.json" in names and "model-00002-of-00002.safetensors" in names
+    for skipped in ("pytorch_model.bin", "original/consolidated.pth", "consolidated.safetensors"):
+        assert skipped not in names
+        assert skipped not in hub.bodies_served
     assert find_complete_snapshot(REPO, commit, options.cache_dir) == path
 
 
@@ -205,13 +211,20 @@ def test_offline_reads_only_complete_snapshots_and_sends_nothing(hub, tmp_path, 
 # -- failures -------------------------------------------------------------------------------------------
 
 
+def closed_endpoint() -> str:
+    """An address on 127.0.0.1 where nothing listens."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
 def test_an_unreachable_hub_is_a_fetch_error(tmp_path, cache):
-    closed = HubOptions(endpoint="http://127.0.0.1:9", cache_dir=cache)  # discard port: nothing listens
+    closed = HubOptions(endpoint=closed_endpoint(), cache_dir=cache)
     commit = "0" * 40
     with pytest.raises(FetchError, match=f"Org/Tiny@{commit}") as raised:
         read_repository(REPO, commit, closed)
     assert raised.value.exit_code == 3
-    assert "127.0.0.1:9" in str(raised.value)
+    assert closed.endpoint in str(raised.value) and "unreachable" in str(raised.value)
     with pytest.raises(FetchError, match="Org/Tiny"):
         download_snapshot(REPO, commit, closed)
 
@@ -247,6 +260,18 @@ def test_a_wrong_token_is_a_fetch_error_naming_the_token(hub, tmp_path, options)
     wrong = HubOptions(endpoint=hub.url, cache_dir=options.cache_dir, token="hf_wrong")
     with pytest.raises(FetchError, match="401.*token"):
         read_repository(REPO, commit, wrong)
+
+
+def test_options_come_from_the_configuration_file(tmp_path):
+    (tmp_path / "token").write_text(TEST_TOKEN)
+    config_file = tmp_path / "config.toml"
+    config_file.write_text(f'[hub]\nendpoint = "http://127.0.0.1:1234/"\ntoken_file = "{tmp_path / "token"}"\n'
+                           f'[paths]\nhub_cache = "{tmp_path / "cache"}"\n')
+    options = HubOptions.from_config(load_config(config_file))
+    assert (options.endpoint, options.token) == ("http://127.0.0.1:1234", TEST_TOKEN)
+    assert options.cache_dir == tmp_path / "cache"
+    assert TEST_TOKEN not in repr(options)
+    assert HubOptions.from_config(load_config(None)).cache_dir == Path.home() / ".cache" / "huggingface" / "hub"
 
 
 def test_a_missing_or_empty_token_file_is_a_usage_error(tmp_path, cache):

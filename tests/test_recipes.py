@@ -96,6 +96,15 @@ def test_memory_model_grows_with_concurrency_and_chunk():
     assert graph_and_scratch_bytes(config, max_concurrency=1, prefill_chunk=4096) > small
 
 
+def test_recipe_cost_model_uses_its_own_page_size_and_chunk():
+    recipe, checkpoint = registry.find_alias("llama-3.1-8b-instruct")
+    config = checkpoint.config
+    assert recipe.kv_bytes_per_token(config, tensor_parallel=2) == kv_bytes_per_token(config, tensor_parallel=2)
+    assert recipe.live_state_bytes_per_request(config) == live_state_bytes_per_request(config, recipe.page_size)
+    assert recipe.graph_and_scratch_bytes(config, 32) == graph_and_scratch_bytes(config, 32, recipe.prefill_chunk)
+    assert recipe.snapshot_bytes(config) == 0          # snapshots borrow KV pages
+
+
 @pytest.mark.parametrize("recipe", registry.all_recipes(), ids=lambda recipe: recipe.family)
 def test_recipe_limits_are_consistent(recipe):
     concurrency = recipe.concurrency

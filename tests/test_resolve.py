@@ -102,7 +102,8 @@ def test_a_repository_with_a_branch_resolves_to_its_commit(hub, tmp_path, config
     assert resolved.checkpoint is None
     assert resolved.recipe is registry.recipe_for_architecture("LlamaForCausalLM")
     assert (resolved.repo_id, resolved.revision, resolved.requested_revision) == ("Someone/Tiny-Llama", commit, "main")
-    assert resolved.revision_was_resolved and commit in resolved.describe() and "main" in resolved.describe()
+    assert resolved.revision_was_resolved
+    assert f"Someone/Tiny-Llama@main = commit {commit}" in resolved.describe()
     assert resolved.stored_bytes == 2 * 4096
     assert hub.safetensors_bodies_served == []
     path = fetch(resolved)
@@ -115,6 +116,8 @@ def test_a_repository_without_revision_uses_and_reports_the_current_commit(hub, 
     resolved = resolve_model("Someone/Tiny-Llama", config)
     assert resolved.revision == current and resolved.requested_revision is None
     assert f"current commit {current}" in resolved.describe()
+    pinned = resolve_model(f"Someone/Tiny-Llama@{current}", config)
+    assert not pinned.revision_was_resolved and f"Someone/Tiny-Llama at commit {current}" in pinned.describe()
 
 
 def test_a_repository_of_an_unsupported_architecture_is_a_usage_error(hub, tmp_path, config):

@@ -43,6 +43,10 @@ def library_environment(config: Config) -> dict[str, str]:
         # Never send a token the user did not configure: the hub client gets [hub] token_file's
         # token explicitly, not ~/.cache/huggingface/token.
         "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+        "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+        # Plain resumable HTTP downloads, as the specification's acquisition path uses, rather than
+        # Xet chunk reconstruction through a second service.
+        "HF_HUB_DISABLE_XET": "1",
         # Tokenizing happens in the frontend process, one request at a time; Rust threads there
         # would only compete with the event loop, and forking after they start deadlocks.
         "TOKENIZERS_PARALLELISM": "false",

@@ -9,6 +9,7 @@ theirs.
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 # Weights in formats Flare does not load, and the consolidated copies some repositories carry beside the
-# Transformers shards: a snapshot is complete without them, so they are never downloaded.
+# Transformers shards (Llama's original/): a snapshot is complete without them, so they are never downloaded.
 IGNORED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "original/*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -173,15 +174,33 @@ def _missing_from_recorded_tree(folder: Path, commit: str, snapshot: Path) -> li
     try:  # the recorded tree arrived in huggingface_hub 2.x; older caches simply have none
         from huggingface_hub import get_cached_repo_tree
         from huggingface_hub.errors import CachedRepoTreeNotFoundError
-        from huggingface_hub.utils import filter_repo_objects
     except ImportError:
         return []
     try:
         tree = get_cached_repo_tree(_folder_repo_id(folder), revision=commit, cache_dir=folder.parent)
     except (CachedRepoTreeNotFoundError, OSError, ValueError):
         return []
-    expected = filter_repo_objects([entry.path for entry in tree], ignore_patterns=list(IGNORED_PATTERNS))
+    weights = local_weights(snapshot)
+    expected = needed_files([entry.path for entry in tree], weights.files if weights else ())
     return [path for path in expected if not (snapshot / path).is_file()]
+
+
+def needed_files(repository_files: list[str], indexed: tuple[str, ...]) -> list[str]:
+    """The files of a repository a complete snapshot holds.
+
+    All but IGNORED_PATTERNS, and, beside a safetensors index, only the top-level safetensors files it
+    names: some repositories also carry one consolidated copy of every weight (Mistral's
+    consolidated.safetensors), which would double the download.
+    """
+    from huggingface_hub.utils import filter_repo_objects
+
+    kept = filter_repo_objects(repository_files, ignore_patterns=list(IGNORED_PATTERNS))
+    has_index = INDEX_NAME in repository_files
+    return [name for name in kept if not (has_index and _is_top_level_weights(name) and name not in indexed)]
+
+
+def _is_top_level_weights(name: str) -> bool:
+    return name.endswith(SAFETENSORS_SUFFIX) and "/" not in name
 
 
 def snapshot_missing_files(folder: Path, commit: str) -> list[str]:
@@ -221,7 +240,8 @@ def _library():
     Endpoint, token and cache are arguments of every call; these are the module-level switches that would
     otherwise refuse requests (HF_HUB_OFFLINE: offline is our option, honoured by making no request), send
     side requests to the library's default endpoint (telemetry and its user-agent probe), or change how
-    files are laid out and timed.
+    files are transferred, laid out and timed. They match `flare.environment`, which sets the variables
+    when Flare gets to run before the library is imported; this covers the case where it did not.
     """
     import huggingface_hub
     from huggingface_hub import constants
@@ -230,6 +250,7 @@ def _library():
     constants.HF_HUB_DISABLE_TELEMETRY = True
     constants.HF_HUB_DISABLE_IMPLICIT_TOKEN = True
     constants.HF_HUB_DISABLE_SYMLINKS = False
+    constants.HF_HUB_DISABLE_XET = True  # plain resumable HTTP, as the specification's acquisition uses
     constants.HF_HUB_ETAG_TIMEOUT = constants.DEFAULT_ETAG_TIMEOUT
     constants.HF_HUB_DOWNLOAD_TIMEOUT = constants.DEFAULT_DOWNLOAD_TIMEOUT
     return huggingface_hub
@@ -244,28 +265,28 @@ def _fetch_errors(repo_id: str, revision: str | None, options: HubOptions) -> It
     """Turn the library's failures into a FetchError naming the repository, the revision and the hub."""
     from huggingface_hub import errors
 
-    where, hub = _where(repo_id, revision), options.endpoint
+    prefix = f"cannot fetch {_where(repo_id, revision)} from {options.endpoint}"
     token_hint = "" if options.token else "; if it is private or gated, give a token with [hub] token_file"
     try:
         yield
     except errors.GatedRepoError as error:
-        gated = f"{repo_id} on {hub} is gated: accept its terms on the hub and use a token that has access"
-        raise FetchError(gated) from error
+        gated = "the repository is gated: accept its terms on the hub and use a token that has access"
+        raise FetchError(f"{prefix}: {gated}") from error
     except errors.RepositoryNotFoundError as error:
-        raise FetchError(f"the hub at {hub} has no repository {repo_id}{token_hint}") from error
+        raise FetchError(f"{prefix}: the hub has no repository {repo_id}{token_hint}") from error
     except errors.RevisionNotFoundError as error:
-        raise FetchError(f"{repo_id} on {hub} has no revision {revision}") from error
+        raise FetchError(f"{prefix}: {repo_id} has no revision {revision}") from error
     except errors.RemoteEntryNotFoundError as error:
-        raise FetchError(f"{where} on {hub} lacks a file it needs: {_first_line(error)}") from error
+        raise FetchError(f"{prefix}: a file is missing ({_first_line(error)})") from error
     except errors.HfHubHTTPError as error:
         status = error.response.status_code if error.response is not None else "an error"
         hint = "; check the token in [hub] token_file" if status in (401, 403) else ""
-        raise FetchError(f"the hub at {hub} answered {status} for {where}{hint}") from error
+        raise FetchError(f"{prefix}: the hub answered {status}{hint}") from error
     except (OSError, errors.LocalEntryNotFoundError) as error:
-        raise FetchError(f"cannot fetch {where} from {hub}: {_first_line(error)}") from error
+        raise FetchError(f"{prefix}: {_first_line(error)}") from error
     except Exception as error:
         if _is_transport_error(error):
-            raise FetchError(f"cannot reach the hub at {hub} for {where}: {_first_line(error)}") from error
+            raise FetchError(f"{prefix}: the hub is unreachable ({_first_line(error)})") from error
         raise
 
 
@@ -355,6 +376,11 @@ def read_repository(repo_id: str, revision: str | None, options: HubOptions) -> 
     return _read_remote(repo_id, info, revision, options)
 
 
+def _remote_index_files(repo_id: str, commit: str, options: HubOptions) -> tuple[str, ...]:
+    index = read_json(_download_file(repo_id, commit, INDEX_NAME, options), "the safetensors index")
+    return _weights_from_index(index, f"{repo_id} at commit {commit}", {}).files
+
+
 def _read_remote(repo_id: str, info, revision: str | None, options: HubOptions) -> RepositoryMetadata:
     commit = info.sha
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
@@ -381,9 +407,10 @@ def download_snapshot(repo_id: str, commit: str, options: HubOptions) -> Path:
     if snapshot is not None:
         return snapshot
     _refuse_offline(repo_id, commit, options, "no complete snapshot")
-    # One cheap request first: it reports a missing repository, revision or token clearly, where the
-    # download itself would fall back to whatever partial snapshot is cached.
-    _model_info(repo_id, commit, options)
+    # The listing first: it reports a missing repository, revision or token clearly (the download itself
+    # would fall back to whatever partial snapshot is cached), and says which files to fetch.
+    names = [sibling.rfilename for sibling in _model_info(repo_id, commit, options).siblings or []]
+    indexed = _remote_index_files(repo_id, commit, options) if INDEX_NAME in names else ()
     hub = _library()
     with _fetch_errors(repo_id, commit, options):
         path = Path(
@@ -393,7 +420,7 @@ def download_snapshot(repo_id: str, commit: str, options: HubOptions) -> Path:
                 cache_dir=options.cache_dir,
                 endpoint=options.endpoint,
                 token=options.library_token,
-                ignore_patterns=list(IGNORED_PATTERNS),
+                allow_patterns=[glob.escape(name) for name in needed_files(names, indexed)],
             )
         )
     missing = snapshot_missing_files(path.parent.parent, commit)

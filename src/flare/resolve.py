@@ -76,14 +76,18 @@ class ResolvedModel:
 
     def describe(self) -> str:
         """One line for the export log: what was resolved, and the commit a branch or no revision gave."""
-        name = f"{self.checkpoint.alias} " if self.checkpoint is not None else ""
+        alias = f"{self.checkpoint.alias}: " if self.checkpoint is not None else ""
         if self.source == "builtin":
-            return f"{name}(built locally in {self.directory})"
+            return f"{alias}built locally in {self.directory}"
         if self.source == "directory":
             return f"checkpoint directory {self.directory} ({self.recipe.title})"
-        asked = f"{self.requested_revision}, " if self.requested_revision and self.revision_was_resolved else ""
-        current = "current commit " if self.requested_revision is None and self.revision_was_resolved else ""
-        return f"{name}{self.repo_id} at {asked}{current}{self.revision} ({self.recipe.title})"
+        if self.requested_revision is None and self.revision_was_resolved:
+            where = f"{self.repo_id} at its current commit {self.revision}"
+        elif self.revision_was_resolved:
+            where = f"{self.repo_id}@{self.requested_revision} = commit {self.revision}"
+        else:
+            where = f"{self.repo_id} at commit {self.revision}"
+        return f"{alias}{where} ({self.recipe.title})"
 
 
 def resolve_model(model: str | None, config: Config, options: HubOptions | None = None) -> ResolvedModel:
@@ -125,16 +129,20 @@ def fetch(resolved: ResolvedModel, options: HubOptions | None = None) -> Path:
 
 
 def _resolve_directory(directory: Path, options: HubOptions) -> ResolvedModel:
+    hf_config, weights = _read_local_checkpoint(directory)
+    recipe = _recipe_for(hf_config, str(directory))
+    return ResolvedModel(recipe, None, "directory", None, LOCAL_REVISION, None, hf_config, weights, directory,
+                         options)
+
+
+def _read_local_checkpoint(directory: Path) -> tuple[dict, WeightsInfo]:
     missing = missing_checkpoint_files(directory)
     if CONFIG_NAME in missing:
         raise UsageError(f"{directory} has no {CONFIG_NAME}; a checkpoint directory holds config.json and "
                          "safetensors weights")
     if missing:
         raise UsageError(f"the checkpoint directory {directory} lacks {', '.join(missing)}")
-    hf_config = read_json(directory / CONFIG_NAME, "the checkpoint configuration")
-    recipe = _recipe_for(hf_config, str(directory))
-    return ResolvedModel(recipe, None, "directory", None, LOCAL_REVISION, None, hf_config,
-                         local_weights(directory), directory, options)
+    return read_json(directory / CONFIG_NAME, "the checkpoint configuration"), local_weights(directory)
 
 
 def _resolve_repository(model: str, options: HubOptions) -> ResolvedModel:
@@ -172,9 +180,9 @@ def _resolve_checkpoint(recipe: Recipe, checkpoint: Checkpoint, source: str, opt
     """A declared checkpoint: the demo is built locally; a hub checkpoint is read at its pinned revision."""
     if checkpoint.source == "builtin":
         directory = _demo_checkpoint()
-        hf_config = read_json(directory / CONFIG_NAME, "the demo checkpoint configuration")
-        return ResolvedModel(recipe, checkpoint, "builtin", None, LOCAL_REVISION, None, hf_config,
-                             local_weights(directory), directory, options)
+        hf_config, weights = _read_local_checkpoint(directory)
+        return ResolvedModel(recipe, checkpoint, "builtin", None, LOCAL_REVISION, None, hf_config, weights,
+                             directory, options)
     metadata = read_repository(checkpoint.repo_id, checkpoint.revision, options)
     return ResolvedModel(recipe, checkpoint, source, checkpoint.repo_id, metadata.revision, checkpoint.revision,
                          metadata.hf_config, metadata.weights, None, options)

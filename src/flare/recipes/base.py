@@ -167,6 +167,23 @@ class Recipe:
         last = bisect.bisect_left(self.decode_capacities, max_concurrency)
         return self.decode_capacities[: last + 1]
 
+    # The recipe's memory cost model (spec section 9); every family here is a dense decoder, so all
+    # share the functions below. A family with other state (sliding windows, MTP heads) overrides these.
+
+    def kv_bytes_per_token(self, hf_config: Mapping[str, Any], tensor_parallel: int = 1) -> int:
+        return kv_bytes_per_token(hf_config, tensor_parallel=tensor_parallel)
+
+    def snapshot_bytes(self, hf_config: Mapping[str, Any]) -> int:
+        return snapshot_bytes(hf_config)
+
+    def live_state_bytes_per_request(self, hf_config: Mapping[str, Any], context_length: int | None = None) -> int:
+        return live_state_bytes_per_request(hf_config, self.page_size, context_length)
+
+    def graph_and_scratch_bytes(self, hf_config: Mapping[str, Any], max_concurrency: int,
+                                prefill_chunk: int | None = None, tensor_parallel: int = 1) -> int:
+        return graph_and_scratch_bytes(hf_config, max_concurrency, prefill_chunk or self.prefill_chunk,
+                                       tensor_parallel)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Memory cost model: plain functions of a config.json dict (dense decoder-only transformers).

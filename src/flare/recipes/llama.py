@@ -23,7 +23,7 @@ def _checkpoint(alias, served_name, revision, stored_bytes, config):
 
 
 # Revisions are commits quoted for these (gated) repositories in public code. stored_bytes:
-# Llama-3.1-8B-Instruct's and Llama-3.2-3B-Instruct's are their published tensor totals;
+# Llama-3.1-8B/70B-Instruct's and Llama-3.2-3B-Instruct's are their published tensor totals;
 # Llama-3.2-1B-Instruct's is computed from the config's shapes in bfloat16 (tied, no stored output
 # projection), matching its published 1.24B parameters. The tests recompute all three.
 CHECKPOINTS = (
@@ -33,6 +33,8 @@ CHECKPOINTS = (
                 6_425_499_648, _config(3072, 28, 24, 128, 8192, tied=True)),
     _checkpoint("llama-3.1-8b-instruct", "Llama-3.1-8B-Instruct", "0e9e39f249a16976918f6564b8830bc894c89659",
                 16_060_522_496, _config(4096, 32, 32, 128, 14336, tied=False)),
+    _checkpoint("llama-3.1-70b-instruct", "Llama-3.1-70B-Instruct", "1605565b47bb9346c5515c34102e054115b4f98b",
+                141_107_412_992, _config(8192, 80, 64, 128, 28672, tied=False)),
 )
 
 # generation_config.json of the Llama 3.1/3.2 Instruct checkpoints: temperature 0.6, top-p 0.9

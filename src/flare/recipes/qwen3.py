@@ -35,6 +35,10 @@ CHECKPOINTS = (
                 8_044_936_192, _config(2560, 36, 32, 9728, tied=True)),
     _checkpoint("qwen3-8b", "Qwen3-8B", "b968826d9c46dd6066d109eabc6255188de91218",
                 16_381_470_720, _config(4096, 36, 32, 12288, tied=False)),
+    _checkpoint("qwen3-14b", "Qwen3-14B", "40c069824f4251a91eefaf281ebe4c544efd3e18",
+                29_536_614_400, _config(5120, 40, 40, 17408, tied=False)),
+    _checkpoint("qwen3-32b", "Qwen3-32B", "9216db5781bf21249d130ec9da846c4624c16137",
+                65_524_246_528, _config(5120, 64, 64, 25600, tied=False)),
 )
 
 # The model card's thinking-mode settings, also the generation_config.json defaults: temperature 0.6,
