@@ -159,3 +159,14 @@ def test_concurrent_exports_publish_distinct_versions(export, cache_root):
         thread.join()
     assert errors == [] and len(set(results)) == 3
     assert len(ModelCache(cache_root).entries()) == 3
+
+
+def test_a_model_that_cannot_fit_fails_before_loading_weights(export, cache_root, monkeypatch):
+    from flare.errors import CapacityError
+    from flare.memory import DeviceMemory
+    small = DeviceMemory(index=0, name="host memory", free=600 * 2 ** 20, total=2 ** 30, host=True)
+    monkeypatch.setattr("flare.memory.read_host_memory", lambda: small)
+    with pytest.raises(CapacityError, match=r"(?s)needs .* weights \+ .* graphs .*;\s+has .* free host memory"):
+        export()
+    assert not (cache_root / "staging").exists() or list((cache_root / "staging").iterdir()) == []
+    assert ModelCache(cache_root).entries() == []

@@ -25,6 +25,23 @@ _TORCH_TO_CODE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float
 _CODE_TO_TORCH = {code: name for name, code in _TORCH_TO_CODE.items()}
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def serving_bytes(files: dict[str, Path], dtype: str) -> int:
+    """Bytes the checkpoint's tensors occupy once floating-point ones are cast to `dtype` (headers only)."""
+    total = 0
+    for path in sorted(set(files.values())):
+        with open(path, "rb") as handle:
+            for entry in st.read_header(handle, what=str(path)).tensors:
+                if entry.name not in files:
+                    continue
+                count = (entry.end - entry.start) // st.DTYPE_SIZES[entry.dtype]
+                floating = entry.dtype.startswith(("F", "BF"))
+                total += count * (DTYPE_BYTES[dtype] if floating else st.DTYPE_SIZES[entry.dtype])
+    return total
+
+
 def payload_for(tensor_name: str) -> str:
     """The payload holding a tensor: one per decoder layer; other stacks (a vision tower, MTP layers)
     get their own layer payloads named by their prefix, so they never mix with the decoder's."""
