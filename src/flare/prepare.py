@@ -1,7 +1,7 @@
 """The export pipeline: resolve, select device, load weights, tune, compile, allocate KV, capture, export.
 
-`export_model(checkpoint_dir, recipe, options)` is what `ignition export` runs once the model is
-resolved and fetched; tests call it directly. On a CPU the tune, compile and capture phases are
+`export_model(source, recipe, options)` is what `ignition export` runs once the model is resolved
+and fetched (`RecipeFacts.from_resolved`); tests call it directly with a stand-in recipe. On a CPU the tune, compile and capture phases are
 recorded as skipped with the reason, and the package serves the same way.
 """
 
@@ -19,10 +19,9 @@ from flare.package.store import ModelCache, model_key_for
 from flare.ui.progress import PhaseProgress, format_bytes
 
 
-
 @dataclass(frozen=True)
 class RecipeFacts:
-    """What export takes from a recipe; `from_recipe` adapts the registry's Recipe and Checkpoint."""
+    """What export takes from a recipe; `from_resolved` adapts the registry's Recipe and Checkpoint."""
 
     name: str
     model_id: str
@@ -70,7 +69,6 @@ class Settings:
     config_path: Path
     publishing: dict
     package_cache: Path
-    max_concurrency: int | None
     memory_reserve_bytes: int
     exists: bool
     config: object                                 # the flare.config.Config they came from
@@ -106,7 +104,6 @@ def load_settings(config_path: Path | None) -> Settings:
                     publishing={"signing_key": str(publishing.signing_key), "namespace": publishing.namespace,
                                 "official_source": publishing.official_source} if publishing else {},
                     package_cache=Path(config.paths.package_cache).expanduser(),
-                    max_concurrency=config.defaults.max_concurrency,
                     memory_reserve_bytes=config.memory.reserve or 0, exists=config.path.is_file(),
                     config=config)
 
@@ -138,7 +135,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         from flare.package import weights as wt
         files = wt.checkpoint_tensor_files(source.directory)
         groups = wt.group_by_payload(files)
-        phase.done(f"{len(files)} tensors in {len(groups)} layer payloads")
+        phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
+                   f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}")
     skip_reason = "CPU device: nothing to tune" if device == "cpu" else "no tunable kernels in this version"
     with progress.phase("Tune kernels") as phase:
         phase.skip(skip_reason)
