@@ -19,6 +19,17 @@ def isolated_home(tmp_path_factory, monkeypatch) -> Path:
     return home
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Commands run in-process set library variables from the configuration; undo that after each test."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def stories260k() -> Path:
     if not STORIES260K.is_dir():

@@ -1,11 +1,110 @@
-"""Placeholder: this command is not implemented yet."""
+"""`ignition bench [MODEL]`: complete decode-step latency of a prepared model, timed with CUDA events.
+
+Opens no listener and exports no package. Each case (batch × context) starts from real prefilled
+contexts; state is restored outside the timed interval before every step.
+"""
+
+from __future__ import annotations
+
+import argparse
 
 from flare.errors import UsageError
 
-
-def configure(parser):
-    pass
+DEFAULT_MODEL_NOTE = "the explicit MODEL, else defaults.model"
 
 
-def run(args):
-    raise UsageError("this command is not implemented yet")
+def configure(parser: argparse.ArgumentParser) -> None:
+    from flare.bench import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_SEEDS
+
+    def listed(values):
+        return ",".join(str(value) for value in values)
+
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help=f"alias, org/name[@revision] or checkpoint directory ({DEFAULT_MODEL_NOTE})")
+    parser.add_argument("--gpus", metavar="LIST", help="one GPU index, relative to CUDA_VISIBLE_DEVICES (default 0)")
+    parser.add_argument("--max-concurrency", metavar="N", type=int,
+                        help="prepared request capacity (default: the largest selected batch)")
+    parser.add_argument("--config", metavar="PATH", help="configuration file (default ~/.config/flare/config.toml)")
+    parser.add_argument("--batches", metavar="LIST", default=listed(DEFAULT_BATCHES),
+                        help=f"distinct comma-separated request batches (default {listed(DEFAULT_BATCHES)})")
+    parser.add_argument("--contexts", metavar="LIST", default=listed(DEFAULT_CONTEXTS),
+                        help="distinct consumed context lengths before each measured step, positive multiples "
+                             f"of 128 (default {listed(DEFAULT_CONTEXTS)})")
+    parser.add_argument("--warmup", metavar="N", default="5", help="untimed restored steps per case and seed (default 5)")
+    parser.add_argument("--repetitions", metavar="N", default="20", help="timed restored steps per case and seed (default 20)")
+    parser.add_argument("--seeds", metavar="LIST", default=listed(DEFAULT_SEEDS),
+                        help=f"distinct input and sampling seeds (default {listed(DEFAULT_SEEDS)})")
+    parser.add_argument("--output", metavar="PATH",
+                        help="JSON with configuration, device identity, per-case statistics and raw samples "
+                             "(default: none; the table still prints)")
+
+
+def bench_config(args):
+    from flare.bench import CONTEXT_MULTIPLE, BenchConfig, parse_int_list, positive_int
+
+    return BenchConfig(
+        batches=parse_int_list(args.batches, "--batches"),
+        contexts=parse_int_list(args.contexts, "--contexts", multiple_of=CONTEXT_MULTIPLE),
+        warmup=positive_int(args.warmup, "--warmup"),
+        repetitions=positive_int(args.repetitions, "--repetitions"),
+        seeds=parse_int_list(args.seeds, "--seeds", allow_zero=True),
+    )
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from flare.bench import cuda_event_timer, device_identity, run_bench
+
+    config = bench_config(args)
+    concurrency = args.max_concurrency or max(config.batches)
+    if concurrency < max(config.batches):
+        raise UsageError(f"--max-concurrency {concurrency} is below the largest batch {max(config.batches)}")
+    target, configuration = build_target(args, concurrency, max_context=max(config.contexts))
+    output = Path(args.output) if args.output else None
+    result = run_bench(target, config, cuda_event_timer(), device=device_identity(),
+                       configuration={**configuration, "max_concurrency": concurrency,
+                                      "requested_concurrency": args.max_concurrency},
+                       output=output)
+    print(result.table())
+    return 0
+
+
+def build_target(args, concurrency: int, max_context: int):
+    """The model's complete decode step on one GPU, with Triton attention: (target, configuration)."""
+    import torch
+
+    from flare.memory import parse_gpus
+
+    if not torch.cuda.is_available():
+        raise UsageError("ignition bench measures GPU decode steps with CUDA events and needs a CUDA GPU")
+    gpus = parse_gpus(args.gpus) if args.gpus else (0,)
+    if len(gpus) != 1:
+        raise UsageError(f"--gpus {args.gpus}: ignition bench runs on one local GPU")
+    torch.cuda.set_device(gpus[0])
+    directory = checkpoint_directory(args.model, args.config)
+
+    from flare.bench_model import ModelDecodeTarget
+    from flare.engine.attention_triton import TritonBackend
+    from flare.models import load_checkpoint
+
+    cfg, model = load_checkpoint(directory, torch.bfloat16, "cuda", TritonBackend())
+    target = ModelDecodeTarget(model, cfg, max_batch=concurrency, max_context=max_context)
+    configuration = {"model": str(args.model), "checkpoint": str(directory), "architecture": cfg.architecture,
+                     "dtype": "bfloat16", "attention": "triton", "page_size": target.page_size,
+                     "graphs": True, "sampling": "greedy", "gpus": list(gpus)}
+    return target, configuration
+
+
+def checkpoint_directory(model, config_path):
+    """A local checkpoint directory for MODEL: a directory as given, else through model resolution."""
+    from pathlib import Path
+
+    if model and (Path(model) / "config.json").is_file():
+        return Path(model)
+    try:
+        from flare.config import load_config
+        from flare.resolve import fetch, resolve_model
+    except ImportError as error:
+        raise UsageError(f"MODEL {model}: this build resolves only checkpoint directories") from error
+    return fetch(resolve_model(model, load_config(Path(config_path) if config_path else None)))

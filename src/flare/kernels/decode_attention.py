@@ -1,0 +1,226 @@
+"""Paged decode attention: one new query token per sequence against its whole paged context.
+
+Split-K: each sequence's context is cut into `num_splits` ranges processed by separate programs, so a
+small batch still fills the GPU; a second kernel merges the partial results by their log-sum-exp.
+GQA-aware: one program serves all query heads that share a KV head, so each K/V page is read once per
+split rather than once per query head.
+
+Shapes (T = batch, one token each):
+    q            [B, Hq, D]                    last dim contiguous
+    k_cache      [num_pages, page_size, Hkv, D]  (layer cache[0]); v_cache likewise (layer cache[1])
+    block_tables [B, max_pages] int32          page ids of each sequence, in order
+    seq_lens     [B] int32                     context length including the new token (0: padding, gives 0)
+    out          [B, Hq, D]                    same dtype as q
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+TARGET_PROGRAMS = 264          # about two waves of programs on a 132-SM GPU
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256     # a split shorter than this costs more in merging than it saves
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale_log2,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    num_splits,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    group = tl.arange(0, BLOCK_H)
+    head_mask = group < GROUP
+    heads = kv_head * GROUP + group
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        pages = tl.load(block_tables_ptr + seq * stride_bt + tokens // PAGE_SIZE,
+                        mask=token_mask, other=0).to(tl.int64)
+        offsets = tokens % PAGE_SIZE
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_ptr + pages[:, None] * stride_kp + offsets[:, None] * stride_ks
+                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + pages[:, None] * stride_vp + offsets[:, None] * stride_vs
+                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2           # [BLOCK_H, BLOCK_N], log2 units
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has_tokens = l > 0
+    o = acc / tl.where(has_tokens, l, 1.0)[:, None]
+    lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, l, 1.0)), float("-inf"))
+    tl.store(mid_o_ptr + seq * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :],
+             o, mask=head_mask[:, None] & dim_mask[None, :])
+    tl.store(mid_lse_ptr + seq * stride_mlb + heads * stride_mlh + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    stride_ob, stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+
+    lse = tl.load(mid_lse_ptr + seq * stride_mlb + head * stride_mlh + splits,
+                  mask=split_mask, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)                 # an empty (padding) sequence gives 0
+    weights = tl.exp2(lse - top)                                   # empty splits weigh 0
+    o = tl.load(mid_o_ptr + seq * stride_mob + head * stride_moh + splits[:, None] * stride_mos
+                + dims[None, :], mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    total = tl.sum(weights, axis=0)
+    merged = tl.sum(o * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty),
+             mask=dim_mask)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Enough splits to give the GPU about two waves of programs, never splits shorter than
+    MIN_TOKENS_PER_SPLIT. Fixed per captured graph: pass the capture's maximum context."""
+    by_occupancy = math.ceil(TARGET_PROGRAMS / max(1, batch * num_kv_heads))
+    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                     num_splits: int, out=None, *, block_n: int | None = None, num_warps: int = 4):
+    """Attention of one query token per sequence over its paged context; returns out [B, Hq, D].
+
+    num_splits is fixed for a captured graph (choose_num_splits with the capture's longest context);
+    block_n (context tokens per inner step) and num_warps are tuning knobs for benchmarks."""
+    import torch
+
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    if batch == 0:
+        return out
+    mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(16, triton.next_power_of_2(group))              # tl.dot needs at least 16 rows
+    on_cpu = q.device.type == "cpu"           # interpreter: short steps, so small tests cross several
+    block_n = block_n or (16 if on_cpu else 64)
+    launch = {} if on_cpu else {"num_warps": num_warps}
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        num_splits,
+        PAGE_SIZE=page_size, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=block_n, **launch,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    import torch
+
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k/v caches must both be [pages, page_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim differs: q {head_dim}, cache {k_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head dimension")
+    if block_tables.dim() != 2 or block_tables.shape[0] < batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [B, max_pages], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] < batch or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                         ("seq_lens", seq_lens)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
+
+
+def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
+    """The same function in plain torch (float32 math), one sequence at a time."""
+    import torch
+
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for seq in range(batch):
+        length = int(seq_lens[seq])
+        pages = block_tables[seq, : (length + page_size - 1) // page_size].long()
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[seq].float(), k) * scale
+        out[seq] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

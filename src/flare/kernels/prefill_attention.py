@@ -1,0 +1,233 @@
+"""Prefill/extend attention over paged KV, and the write of new K/V into the paged cache.
+
+A batch holds several sequences' new tokens, flattened. Each sequence's new K/V are already in the cache
+(written by `write_kv` at slot_mapping), after a cached prefix of seq_len - query_len tokens; every new
+token attends to the whole prefix and causally to the new tokens up to itself. Decode (one new token)
+is the special case query_len == 1, which `decode_attention` serves faster.
+
+Shapes (T = new tokens in the batch, B = sequences):
+    q               [T, Hq, D]                      last dim contiguous
+    k_cache         [num_pages, page_size, Hkv, D]  (layer cache[0]); v_cache likewise (layer cache[1])
+    query_start_loc [B + 1] int32                   sequence b's new tokens are q[qsl[b]:qsl[b+1]]
+    seq_lens        [B] int32                       context length after this step
+    block_tables    [B, max_pages] int32
+    out             [T, Hq, D]                      same dtype as q
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_block = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        prefix_len = seq_len - q_len
+        rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        positions = prefix_len + rows                               # absolute position of each query
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh
+                    + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Keys past this block's last query are masked for every row: stop there.
+        kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_M)
+        for n0 in range(0, kv_end, BLOCK_N):
+            tokens = n0 + tl.arange(0, BLOCK_N)
+            token_mask = tokens < kv_end
+            pages = tl.load(block_tables_ptr + seq * stride_bt + tokens // PAGE_SIZE,
+                            mask=token_mask, other=0).to(tl.int64)
+            offsets = tokens % PAGE_SIZE
+            kv_mask = token_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_ptr + pages[:, None] * stride_kp + offsets[:, None] * stride_ks
+                        + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + pages[:, None] * stride_vp + offsets[:, None] * stride_vs
+                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+            visible = (tokens[None, :] <= positions[:, None]) & token_mask[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
+                 + dims[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kp, stride_ks, stride_kch, stride_vp, stride_vs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:                                                  # -1 marks a padding token
+        page = slot // PAGE_SIZE
+        offset = slot % PAGE_SIZE
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        tl.store(k_cache_ptr + page * stride_kp + offset * stride_ks + heads[:, None] * stride_kch
+                 + dims[None, :], k, mask=mask)
+        tl.store(v_cache_ptr + page * stride_vp + offset * stride_vs + heads[:, None] * stride_vch
+                 + dims[None, :], v, mask=mask)
+
+
+def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
+                      max_query_len: int, out=None, *, block_m: int | None = None, block_n: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None):
+    """Causal attention of each sequence's new tokens over its paged context; returns out [T, Hq, D].
+
+    block_m/block_n (query and key tile), num_warps and num_stages are tuning knobs for benchmarks."""
+    import torch
+
+    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    if num_tokens == 0 or batch == 0:
+        return out
+    on_cpu = q.device.type == "cpu"                               # small tiles keep the interpreter fast
+    block_m = block_m or (16 if on_cpu else 128)
+    block_n = block_n or (16 if on_cpu else 64)
+    launch = {} if on_cpu else {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
+    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, **launch,
+    )
+    return out
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Store new keys/values k, v [T, Hkv, D] at slot_mapping [T] (int64 page * page_size + offset;
+    a negative slot is a padding token and is skipped)."""
+    import torch
+
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k/v must be [T, Hkv, D] matching the cache {tuple(k_cache.shape)}, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k_cache.shape != v_cache.shape or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError("k/v caches differ in shape, or their dtype differs from the new k/v")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k, v and the caches need a contiguous head dimension")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
+    )
+
+
+def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+    import torch
+
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k/v caches must both be [pages, page_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
+        raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache heads "
+                         f"{k_cache.shape[2]} x {k_cache.shape[3]}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head dimension")
+    batch = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (batch + 1,):
+        raise ValueError(f"query_start_loc must be int32 [{batch + 1}], got {query_start_loc.dtype} "
+                         f"{tuple(query_start_loc.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] < batch or block_tables.dtype != torch.int32 \
+            or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be int32 [B, max_pages] with contiguous rows, got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("query_start_loc", query_start_loc),
+                         ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
+
+
+def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                scale: float):
+    """The same function in plain torch (float32 math), one sequence at a time."""
+    import torch
+
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for seq in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+        length = int(seq_lens[seq])
+        pages = block_tables[seq, : (length + page_size - 1) // page_size].long()
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        positions = torch.arange(length - (end - start), length)
+        visible = torch.arange(length)[None, :] <= positions[:, None]     # [Q, L]
+        scores = torch.einsum("qhd,lhd->hql", q[start:end].float(), k) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out
+
+
+def write_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    keep = slot_mapping >= 0
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]

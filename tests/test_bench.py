@@ -1,0 +1,165 @@
+"""The `ignition bench` harness on the CPU: statistics, JSON, progress and the incomplete status."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flare.bench import BenchConfig, median_and_iqr, parse_int_list, run_bench
+from flare.errors import UsageError
+
+
+class CountingTarget:
+    """A cheap decode step whose 'time' is known: batch + context/1000 + repetition index/100 ms.
+    It checks that every timed step starts from restored state."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+        self.log = []
+        self.case = None
+        self.dirty = False
+
+    def prepare(self, batch, context, seed):
+        if (batch, context, seed) == self.fail_at:
+            raise RuntimeError("out of pages")
+        self.case = (batch, context, seed)
+        self.count = 0
+        self.dirty = False
+
+    def restore(self):
+        self.dirty = False
+
+    def step(self):
+        assert not self.dirty, "a step ran on state a previous step changed"
+        self.dirty = True
+        self.count += 1
+        self.log.append(self.case)
+
+
+def fake_timer(target):
+    def timed(step):
+        step()
+        batch, context, _ = target.case
+        return batch + context / 1000 + target.count / 100
+    return timed
+
+
+CONFIG = BenchConfig(batches=(1, 4), contexts=(128, 256), warmup=2, repetitions=3, seeds=(0, 7))
+
+
+def test_a_complete_run_writes_statistics_and_raw_samples(tmp_path):
+    target = CountingTarget()
+    output = tmp_path / "out" / "bench.json"
+    progress = []
+    result = run_bench(target, CONFIG, fake_timer(target), device={"name": "cpu"},
+                       configuration={"model": "m"}, output=output, progress=progress.append)
+    document = json.loads(output.read_text())
+    assert document["status"] == "complete" and "failure" not in document
+    assert document["ignore_eos"] is True
+    assert document["device"] == {"name": "cpu"}
+    assert document["configuration"]["seeds"] == [0, 7] and document["configuration"]["model"] == "m"
+    case = next(case for case in document["cases"] if (case["batch"], case["context"]) == (4, 256))
+    # warm-up steps are 1-2, timed steps 3-5 for each seed: 4.256 + 0.03/0.04/0.05
+    assert case["samples_ms"] == {"0": pytest.approx([4.286, 4.296, 4.306]),
+                                  "7": pytest.approx([4.286, 4.296, 4.306])}
+    assert case["median_ms"] == pytest.approx(4.296)
+    assert case["complete"] is True
+    medians = [case["median_ms"] for case in document["cases"]]
+    assert document["aggregate_ms"] == pytest.approx(sum(medians) / 4)
+    assert len(target.log) == 2 * 4 * (2 + 3)
+    assert len(progress) == 2 and progress[0].startswith("seed 0:")
+    assert "aggregate" in result.table()
+
+
+def test_a_failed_run_keeps_partial_samples_as_incomplete(tmp_path):
+    target = CountingTarget(fail_at=(4, 128, 7))
+    output = tmp_path / "bench.json"
+    with pytest.raises(RuntimeError, match="out of pages"):
+        run_bench(target, CONFIG, fake_timer(target), device={}, configuration={}, output=output,
+                  progress=lambda line: None)
+    document = json.loads(output.read_text())
+    assert document["status"] == "incomplete"
+    assert document["failure"] == "RuntimeError: out of pages"
+    assert "aggregate_ms" not in document
+    complete = {(case["batch"], case["context"]): case["complete"] for case in document["cases"]}
+    assert complete == {(1, 128): True, (1, 256): True, (4, 128): False, (4, 256): False}
+    partial = next(case for case in document["cases"] if (case["batch"], case["context"]) == (4, 128))
+    assert list(partial["samples_ms"]) == ["0"] and len(partial["samples_ms"]["0"]) == 3
+
+
+def test_progress_is_written_after_each_seed(tmp_path):
+    output = tmp_path / "bench.json"
+    target = CountingTarget()
+    seen = []
+
+    def progress(line):
+        seen.append(json.loads(output.read_text())["status"])
+
+    run_bench(target, CONFIG, fake_timer(target), device={}, configuration={}, output=output, progress=progress)
+    assert seen == ["incomplete", "incomplete"]
+    assert json.loads(output.read_text())["status"] == "complete"
+
+
+def test_median_and_interquartile_range():
+    assert median_and_iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, 2.0)
+    assert median_and_iqr([2.5]) == (2.5, 0.0)
+
+
+@pytest.mark.parametrize("text,kwargs,message", [
+    ("1,2,2", {}, "repeated"), ("1,x", {}, "whole numbers"), ("0,1", {}, "positive"),
+    ("512,1000", {"multiple_of": 128}, "multiples of 128"), ("", {}, "whole numbers"),
+])
+def test_bad_lists_are_usage_errors(text, kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        parse_int_list(text, "--flag", **kwargs)
+
+
+def test_bench_help_lists_the_flags_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from flare.cli.ignition import main; code = main(['bench', '--help']); "
+            "assert 'torch' not in sys.modules, 'help imported torch'; sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for flag in ("--batches", "--contexts", "--warmup", "--repetitions", "--seeds", "--output"):
+        assert flag in done.stdout
+
+
+def test_bench_rejects_bad_flags_with_exit_2(capsys):
+    from flare.cli.ignition import main
+
+    assert main(["bench", "--contexts", "500"]) == 2
+    assert "multiples of 128" in capsys.readouterr().err
+
+
+def test_model_decode_step_continues_its_prefilled_context(tmp_path):
+    """The measured step decodes the pending token over the prefilled pages, and restore makes every
+    step start from the same state: its greedy token is that of the whole sequence run at once."""
+    import torch
+
+    from flare.bench_model import ModelDecodeTarget
+    from flare.engine.attention import AttentionMetadata, TorchReferenceBackend, allocate_kv_caches
+    from flare.models import load_checkpoint
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    cfg, model = load_checkpoint(write_tiny_checkpoint("llama", tmp_path), torch.float32, "cpu",
+                                 TorchReferenceBackend())
+    target = ModelDecodeTarget(model, cfg, max_batch=2, max_context=40, page_size=16, device="cpu",
+                               dtype=torch.float32, graph=False)
+    target.prepare(batch=2, context=20, seed=5)
+    target.restore()
+    target.step()
+    first = target.sampled.clone()
+    target.restore()
+    target.step()
+    assert torch.equal(target.sampled, first)
+
+    tokens = torch.randint(0, cfg.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
+    caches = allocate_kv_caches(cfg, 4, 16, torch.float32, "cpu")
+    meta = AttentionMetadata.build([21, 21], [21, 21], [[0, 1], [2, 3]], 16)
+    with torch.inference_mode():
+        hidden = model(tokens.flatten(), meta.positions(), caches, meta)
+        expected = model.compute_logits(hidden[[20, 41]]).argmax(dim=-1)
+    assert torch.equal(first, expected)
