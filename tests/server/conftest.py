@@ -61,6 +61,7 @@ def cli_env(home) -> dict:
 
     env = dict(os.environ)
     env["HOME"] = str(home)
+    env["OMP_NUM_THREADS"] = "1"        # as tests/conftest.py: tiny models on many threads thrash two cores
     env["PYTHONPATH"] = str(REPO_ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
