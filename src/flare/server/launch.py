@@ -158,6 +158,8 @@ def serving_concurrency(flag: int | None, config: Any, model: ServedModel) -> in
         configured = config.setting_for_model("max_concurrency", (model.canonical_id, *model.served_names))
     concurrency = flag if flag is not None else configured if configured is not None else model.prepared_concurrency
     origin = "--max-concurrency" if flag is not None else "max_concurrency in the configuration"
+    if concurrency < 1:
+        raise UsageError(f"{origin} must be at least 1, got {concurrency}")
     if not 1 <= concurrency <= model.prepared_concurrency:
         raise CapacityError(f"needs concurrency {concurrency} ({origin}); the package was prepared for at most "
                             f"{model.prepared_concurrency}. Options: --max-concurrency "

@@ -36,10 +36,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def finish_reason(reason: str | None) -> str | None:
-    return reason
-
-
 def requested_sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                        prompt_logprobs: int | None = None) -> RequestedSampling:
     return RequestedSampling(
