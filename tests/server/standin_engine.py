@@ -16,6 +16,7 @@ class StandinEngine:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.seen_params: dict[str, object] = {}
+        self.fail_after: int | None = None          # raise after this many tokens (a failing engine)
 
     async def generate(self, request_id, prompt_token_ids, params):
         self.running.add(request_id)
@@ -23,6 +24,8 @@ class StandinEngine:
         try:
             text = ""
             for step in range(params.max_tokens):
+                if self.fail_after is not None and step == self.fail_after:
+                    raise RuntimeError("the device fell over")
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 else:

@@ -218,3 +218,21 @@ def test_unknown_routes_answer_in_the_api_shape(served):
     assert reply.status_code == 404 and "not served here" in reply.json()["error"]["message"]
     reply = httpx.get(served.url + "/v1/messages", headers=headers)
     assert reply.status_code == 405 and reply.json()["type"] == "error"
+
+
+def test_an_engine_failure_mid_stream_ends_with_an_error_event(oai, claude, served):
+    served.engine.fail_after = 2
+    try:
+        with pytest.raises(openai.APIError, match="device fell over"):
+            for _ in oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, stream=True):
+                pass
+        with pytest.raises(anthropic.APIStatusError, match="device fell over"):
+            with claude.messages.stream(model="tiny", max_tokens=6,
+                                        messages=[{"role": "user", "content": "hi"}]) as stream:
+                for _ in stream:
+                    pass
+        with pytest.raises(openai.InternalServerError, match="device fell over"):
+            oai.completions.create(model="tiny", prompt="hi", max_tokens=6)
+    finally:
+        served.engine.fail_after = None

@@ -74,8 +74,9 @@ class SSEResponse(StreamingResponse):
         listener = asyncio.ensure_future(self._wait_for_disconnect(receive))
         try:
             await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
-            if writer.done() and not writer.cancelled() and writer.exception() is not None:
-                raise writer.exception()
+            failure = writer.exception() if writer.done() and not writer.cancelled() else None
+            if failure is not None and not isinstance(failure, OSError):     # OSError: the client left
+                raise failure
         finally:
             for task in (writer, listener):
                 task.cancel()
@@ -90,17 +91,20 @@ class SSEResponse(StreamingResponse):
 
     async def _write(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self._events_or_error():
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _events_or_error(self) -> AsyncIterator[str]:
+        """The events; a failure after the headers went out ends the stream with an error event."""
         try:
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-        except APIError as error:               # headers are gone: report the failure as an event
-            await send({"type": "http.response.body", "body": self._error_event(error).encode(),
-                        "more_body": True})
+                yield event
+        except APIError as error:
+            yield self._error_event(error)
         except Exception as error:              # a bug: still end the stream in the API's own terms
-            failure = APIError(500, f"the server failed while streaming: {type(error).__name__}: {error}")
-            await send({"type": "http.response.body", "body": self._error_event(failure).encode(),
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            yield self._error_event(APIError(500, f"the server failed while streaming: "
+                                                  f"{type(error).__name__}: {error}"))
 
     def _error_event(self, error: APIError) -> str:
         body = error_body(error, self.family)

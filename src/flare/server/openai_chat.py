@@ -59,8 +59,8 @@ async def create(gen: Generation, body: ChatCompletionRequest) -> dict | AsyncIt
     max_tokens = gen.admit(len(ids), max_tokens, body.n, field)
     requested = requested_sampling(body, max_tokens, logprobs)
     params = [gen.sampling_params(requested, max_tokens, index) for index in range(body.n)]
-    echo = body.messages[-1].content if body.echo and body.messages[-1].role == "assistant" else None
-    echo_text = message_text(body.messages[-1]) if echo is not None else ""
+    # vLLM's `echo`: the reply repeats the final assistant message it continues
+    echo_text = message_text(body.messages[-1]) if body.echo and body.messages[-1].role == "assistant" else ""
     request_id = new_id("chatcmpl-")
     if body.stream:
         return _stream(gen, body, request_id, ids, params, logprobs, echo_text)
