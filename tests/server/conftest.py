@@ -7,7 +7,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 
 def free_port() -> int:

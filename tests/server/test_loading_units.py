@@ -8,8 +8,10 @@ import socket
 import pytest
 
 from flare.errors import CapacityError, UsageError
-from flare.server.launch import (ListenerOptions, ServedModel, api_key, open_listener, parse_memory_limit,
-                                 serving_concurrency, served_names, size_kv_pool, url_for)
+from flare.server.kv_sizing import parse_memory_limit, size_kv_pool
+from flare.server.launch import ListenerOptions, api_key, serving_concurrency, served_names
+from flare.server.listener import open_listener, url_for
+from flare.server.served_model import ServedModel
 from flare.ui.banner import show_banner
 from flare.ui.stages import StageReporter, bar
 

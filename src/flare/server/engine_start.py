@@ -1,0 +1,151 @@
+"""Loading the model and starting its engine, as the Load weights / Prepare kernels and graphs / Allocate
+caches stages show it.
+
+`flare run` starts the engine core in its own process (AsyncEngine) from a picklable package factory,
+whose progress reports drive the stages; debug-serve loads in this process and steps the core on a thread.
+Each returns a function that, given the frontend, gives the engine client the routes use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flare.server.kv_sizing import KVPool
+from flare.server.served_model import ServedModel
+from flare.ui.stages import StageReporter
+
+
+def serving_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
+    """(ModelConfig, CausalLM) with the weights loaded, reporting bytes as they arrive."""
+    import torch
+
+    from flare.engine.attention import TorchReferenceBackend
+    from flare.models import ModelConfig, build_model
+
+    with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
+        cfg = ModelConfig.from_hf_config(model.hf_config)
+        network = build_model(cfg, getattr(torch, model.dtype), device, TorchReferenceBackend())
+
+        def counted():
+            for name, tensor in model.iter_weights():
+                stage.advance(tensor.numel() * tensor.element_size())
+                yield name, tensor
+
+        network.load_hf_weights(counted())
+        stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}")
+    return cfg, network
+
+
+def engine_config_for(model: ServedModel, concurrency: int, pool: KVPool):
+    from flare.engine.config import EngineConfig
+
+    return EngineConfig(max_concurrency=concurrency, page_size=pool.page_size, num_pages=pool.pages,
+                        prefill_chunk=model.prefill_chunk, max_num_batched_tokens=max(model.prefill_chunk, concurrency),
+                        max_model_len=model.max_model_len)
+
+
+def start_in_process(model: ServedModel, concurrency: int, pool: KVPool, device: str, stages: StageReporter):
+    """debug-serve: load, prepare and allocate here; the core steps on a thread of this process."""
+    from flare.engine.factory import LoadedModel, build_core
+    from flare.frontend.tokenizer import eos_token_ids_of
+
+    cfg, network = load_model_weights(model, device, stages)
+    with stages.stage("Prepare kernels and graphs") as stage:
+        stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
+    with stages.stage("Allocate caches") as stage:
+        eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *eos_token_ids_of(model.frontend_dir, None))))
+        core = build_core(LoadedModel(cfg, network, eos, engine_config_for(model, concurrency, pool), device,
+                                      model.dtype))
+        stage.note(f"{pool.tokens:,} KV tokens in {pool.pages:,} pages of {pool.page_size}")
+
+    def client(frontend: Any) -> Any:
+        from flare.engine.llm_engine import LLMEngine
+        from flare.server.local_engine import ThreadedEngine
+
+        return ThreadedEngine(LLMEngine(core, frontend.tokenizer))
+    return client
+
+
+def start_engine_process(model: ServedModel, concurrency: int, pool: KVPool, device: str,
+                         stages: StageReporter):
+    """flare run: the engine core loads the package in its own process; its progress drives the stages."""
+    import multiprocessing
+    import queue
+    import threading
+
+    from flare.engine.factory import ModelFactory
+    from flare.frontend.tokenizer import eos_token_ids_of, load_tokenizer
+    from flare.server.package_model import STAGE_ALLOCATE, STAGE_PREPARE, load_package_model
+
+    progress = multiprocessing.get_context("spawn").Queue()
+    factory = ModelFactory(load_package_model, (str(model.package_path), engine_config_for(model, concurrency, pool),
+                                                device, model.dtype, tuple(eos_token_ids_of(model.frontend_dir, None)),
+                                                progress))
+    outcome: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            from flare.engine.async_engine import AsyncEngine
+
+            outcome["tokenizer"] = load_tokenizer(model.frontend_dir)
+            outcome["engine"] = AsyncEngine(factory, outcome["tokenizer"])
+        except BaseException as error:            # reported by the stage that is showing
+            outcome["error"] = error
+
+    starter = threading.Thread(target=start, name="flare-engine-start", daemon=True)
+    starter.start()
+
+    def follow(stage, until: str | None) -> None:
+        """Advance `stage` from the engine's reports until it announces `until` (or finishes starting)."""
+        while True:
+            try:
+                message = progress.get(timeout=0.1)
+            except queue.Empty:
+                if not starter.is_alive():
+                    break
+                continue
+            if message[0] == "total":
+                stage.set_total(message[1] or None)
+            elif message[0] == "advance":
+                stage.advance(message[1])
+            elif message[0] == "stage" and message[1] == until:
+                return
+        if "error" in outcome:
+            raise _startup_error(outcome["error"])
+
+    with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
+        follow(stage, STAGE_PREPARE)
+        stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}, in the engine process")
+    with stages.stage(STAGE_PREPARE) as stage:
+        follow(stage, STAGE_ALLOCATE)
+        stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
+    with stages.stage(STAGE_ALLOCATE) as stage:
+        starter.join()
+        if "error" in outcome:
+            raise _startup_error(outcome["error"])
+        stage.note(f"{pool.tokens:,} KV tokens in {pool.pages:,} pages of {pool.page_size}")
+    progress.close()
+    client = lambda frontend: outcome["engine"]
+    client.tokenizer = outcome["tokenizer"]
+    return client
+
+
+def _startup_error(error: BaseException) -> BaseException:
+    """User-facing errors pass through; an engine that could not load becomes a preparation error (5)."""
+    from flare.errors import FlareError, PreparationError
+
+    if isinstance(error, FlareError):
+        return error
+    return PreparationError(f"the engine could not load the model: {error}")
+
+
+def gib(count: int) -> str:
+    from flare.ui.progress import format_bytes
+
+    return format_bytes(count)

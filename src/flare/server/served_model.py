@@ -1,0 +1,29 @@
+"""What is being served, however it was loaded (a package for `flare run`, a checkpoint for debug-serve)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from flare.server.settings import SamplingPolicy
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What is being served, however it was loaded."""
+
+    canonical_id: str
+    served_names: tuple[str, ...]
+    hf_config: dict
+    frontend_dir: Path
+    dtype: str
+    page_size: int
+    prefill_chunk: int
+    prepared_concurrency: int              # the capacity the package was prepared for
+    max_model_len: int
+    weight_bytes: int
+    iter_weights: Callable[[], Iterator[tuple[str, Any]]]
+    sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
+    memory_reserve_bytes: int = 0
+    package_path: Path | None = None       # set for packages: the engine runs in its own process
