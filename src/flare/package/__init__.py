@@ -16,4 +16,5 @@ from flare.package.store import ModelCache, lease_entry
 from flare.package.trust import TrustOptions, add_trust_arguments, trust_options_from_args
 
 __all__ = ["ExportSpec", "ModelCache", "Package", "TrustOptions", "add_trust_arguments", "export_entry",
-           "install_package", "lease_entry", "open_package", "open_unverified", "resolve_target", "trust_options_from_args"]
+           "install_package", "lease_entry", "open_package", "open_unverified", "resolve_target",
+           "trust_options_from_args"]
