@@ -1,8 +1,9 @@
 """The export pipeline: resolve, select device, load weights, tune, compile, allocate KV, capture, export.
 
 `export_model(source, recipe, options)` is what `ignition export` runs once the model is resolved
-and fetched (`RecipeFacts.from_resolved`); tests call it directly with a stand-in recipe. On a CPU the tune, compile and capture phases are
-recorded as skipped with the reason, and the package serves the same way.
+and fetched (`RecipeFacts.from_resolved`); tests call it directly with a stand-in recipe. On a CPU
+the tune, compile and capture phases are recorded as skipped with the reason, and the package
+serves the same way.
 """
 
 from __future__ import annotations
