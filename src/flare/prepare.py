@@ -94,6 +94,7 @@ class CheckpointSource:
     directory: Path
     repo_id: str | None = None
     revision: str | None = None
+    description: str | None = None                 # the resolver's one-line account, for the log
 
 
 def load_settings(config_path: Path | None) -> Settings:
@@ -122,8 +123,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     with progress.phase("Resolve model") as phase:
         hf_config = json.loads((source.directory / "config.json").read_text())
         architecture = (hf_config.get("architectures") or ["unknown"])[0]
-        phase.done(f"{recipe.model_id}: {architecture} from {source.directory}"
-                   + (f" ({source.repo_id}@{source.revision})" if source.repo_id else ""))
+        phase.done(f"{recipe.model_id}: {architecture}, "
+                   + (source.description or f"checkpoint directory {source.directory}"))
     with progress.phase("Select GPUs") as phase:
         device = _device(options.gpus)
         dtype = options.dtype or recipe.dtype or ("bfloat16" if device == "cuda" else "float32")
