@@ -1,8 +1,9 @@
 """The export pipeline: resolve, select device, load weights, tune, compile, allocate KV, capture, export.
 
 `export_model(source, recipe, options)` is what `ignition export` runs once the model is resolved
-and fetched (`RecipeFacts.from_resolved`); tests call it directly with a stand-in recipe. On a CPU the tune, compile and capture phases are
-recorded as skipped with the reason, and the package serves the same way.
+and fetched (`RecipeFacts.from_resolved`); tests call it directly with a stand-in recipe. On a CPU
+the tune, compile and capture phases are recorded as skipped with the reason, and the package
+serves the same way.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class CheckpointSource:
     directory: Path
     repo_id: str | None = None
     revision: str | None = None
+    description: str | None = None                 # the resolver's one-line account, for the log
 
 
 def load_settings(config_path: Path | None) -> Settings:
@@ -121,8 +123,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     with progress.phase("Resolve model") as phase:
         hf_config = json.loads((source.directory / "config.json").read_text())
         architecture = (hf_config.get("architectures") or ["unknown"])[0]
-        phase.done(f"{recipe.model_id}: {architecture} from {source.directory}"
-                   + (f" ({source.repo_id}@{source.revision})" if source.repo_id else ""))
+        phase.done(f"{recipe.model_id}: {architecture}, "
+                   + (source.description or f"checkpoint directory {source.directory}"))
     with progress.phase("Select GPUs") as phase:
         device = _device(options.gpus)
         dtype = options.dtype or recipe.dtype or ("bfloat16" if device == "cuda" else "float32")
