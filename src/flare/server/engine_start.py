@@ -25,12 +25,12 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     """(ModelConfig, CausalLM) with the weights loaded, reporting bytes as they arrive."""
     import torch
 
-    from flare.engine.attention import TorchReferenceBackend
     from flare.models import ModelConfig, build_model
+    from flare.server.package_model import attention_backend
 
     with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
         cfg = ModelConfig.from_hf_config(model.hf_config)
-        network = build_model(cfg, getattr(torch, model.dtype), device, TorchReferenceBackend())
+        network = build_model(cfg, getattr(torch, model.dtype), device, attention_backend(device))
 
         def counted():
             for name, tensor in model.iter_weights():

@@ -14,6 +14,17 @@ STAGE_PREPARE = "Prepare kernels and graphs"
 STAGE_ALLOCATE = "Allocate caches"
 
 
+def attention_backend(device: str):
+    """Our Triton kernels on a GPU; the plain PyTorch reference on the CPU (where Triton only interprets)."""
+    if device == "cuda":
+        from flare.engine.attention_triton import TritonBackend
+
+        return TritonBackend()
+    from flare.engine.attention import TorchReferenceBackend
+
+    return TorchReferenceBackend()
+
+
 def _report(progress: Any, *message: Any) -> None:
     if progress is not None:
         progress.put(message)
@@ -24,7 +35,6 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     """A `LoadedModel` for the package at `package_path` (already verified by the caller)."""
     import torch
 
-    from flare.engine.attention import TorchReferenceBackend
     from flare.engine.factory import LoadedModel
     from flare.models import ModelConfig, build_model
     from flare.package.reader import open_unverified
@@ -32,7 +42,7 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     package = open_unverified(Path(package_path))
     _report(progress, "total", sum(r["size"] for r in package.weight_payloads()))
     cfg = ModelConfig.from_hf_config(package.hf_config)
-    model = build_model(cfg, getattr(torch, dtype), device, TorchReferenceBackend())
+    model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device))
 
     def counted():
         for name, tensor in package.iter_weights():
