@@ -236,3 +236,19 @@ def test_an_engine_failure_mid_stream_ends_with_an_error_event(oai, claude, serv
             oai.completions.create(model="tiny", prompt="hi", max_tokens=6)
     finally:
         served.engine.fail_after = None
+
+
+def test_tokenize_and_detokenize_as_vllm(served, oai):
+    headers = {"x-api-key": KEY}
+    tokens = httpx.post(served.url + "/tokenize", json={"model": "tiny", "prompt": "Once upon a time"},
+                        headers=headers).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    text = httpx.post(served.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=headers).json()
+    assert text["prompt"] == "Once upon a time"
+    chat = httpx.post(served.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      headers=headers).json()
+    reply = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens               # the same chat template
+    refused = httpx.post(served.url + "/detokenize", json={"tokens": [99999]}, headers=headers)
+    assert refused.status_code == 400 and "outside the vocabulary" in refused.json()["error"]["message"]
+    assert httpx.post(served.url + "/tokenize", json={"prompt": "x"}).status_code == 401

@@ -21,10 +21,11 @@ from starlette.types import Receive, Scope, Send
 from flare.server import (anthropic_messages, openai_chat, openai_completions, openai_responses, sse)
 from flare.server.auth import PUBLIC_PATHS, is_authorized
 from flare.server.errors import APIError, ApiFamily, bad_request, error_body, family_for_path
-from flare.server.generation import Generation
+from flare.server.generation import Generation, check_token_ids
 from flare.server.metrics import CONTENT_TYPE, ServerMetrics
 from flare.server.schemas import (AnthropicCountTokensRequest, AnthropicMessagesRequest,
-                                  ChatCompletionRequest, CompletionRequest, ResponsesRequest)
+                                  ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                  TokenizeRequest)
 from flare.server.settings import ServerSettings
 
 
@@ -247,6 +248,41 @@ def build_app(engine: Any, frontend: Any, settings: ServerSettings) -> FastAPI:
         async def handler(gen: Generation, body: AnthropicCountTokensRequest) -> dict:
             return anthropic_messages.count_tokens(gen, body)
         return await serve(request, AnthropicCountTokensRequest, handler, "count_tokens")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        body = parse(TokenizeRequest, await read_json(request, settings.body_limit_bytes))
+        if body.model is not None:
+            check_model(body.model, "openai")
+        frontend = state.generation.frontend
+        if body.messages is not None:
+            tokens = openai_chat.prompt_ids(state.generation, ChatCompletionRequest(
+                model=body.model or settings.canonical_id, messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt))
+        elif body.prompt is not None:
+            tokens = frontend.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise bad_request("send `prompt` or `messages`")
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = parse(DetokenizeRequest, await read_json(request, settings.body_limit_bytes))
+        if body.model is not None:
+            check_model(body.model, "openai")
+        check_token_ids(state.generation.frontend, body.tokens, "tokens")
+        return JSONResponse({"prompt": state.generation.frontend.decode(body.tokens)})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            return JSONResponse({"version": installed("ignition")})
+        except PackageNotFoundError:            # running from a source checkout
+            return JSONResponse({"version": "source"})
 
     def model_cards(anthropic: bool) -> list[dict]:
         if anthropic:

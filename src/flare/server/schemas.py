@@ -133,3 +133,18 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+
+
+# ---- vLLM's tokenizer endpoints ------------------------------------------------------------------
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
