@@ -85,7 +85,8 @@ def test_download_installs_a_verified_selected_entry_and_prints_only_its_path(
     [record] = SourceRecords(cache).records(REPO)
     assert (record.commit, record.filename, record.requested_revision) == (commit, "model.safetensors", "main")
     assert record.envelope_sha256 == sha256_file(entry / fmt.PRIMARY_NAME)
-    assert not (flare_cache / "transport" / "models--Acme--Stories-Flare").exists()
+    assert SourceRecords(cache).origin_of_path(entry) == record
+    assert not any((flare_cache / "transport").rglob("*Stories-Flare*"))      # transport files are temporary
 
 
 def test_models_download_is_the_same_command(hub, upload, config_file, flare_cache, capsys):
@@ -220,6 +221,20 @@ def test_a_packed_package_is_installed_in_directory_form(hub, upload, options, a
         assert package.form == "directory" and len(list(package.iter_weights())) == 47
 
 
+def test_a_transport_on_another_filesystem_is_copied(hub, upload, options, approved):
+    import tempfile
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == options.cache_root.parent.stat().st_dev:
+        pytest.skip("no second filesystem here")
+    hub.add_commit(REPO, upload())
+    from dataclasses import replace
+    with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
+        entry = download(REPO, replace(options, cache_dir=Path(elsewhere)))
+        assert not any(Path(elsewhere).rglob("*.safetensors"))
+    with open_package(entry, full_check(approved)) as package:
+        assert len(list(package.iter_weights())) == 47
+
+
 def test_gpus_must_match_a_prepared_deployment(hub, upload, config_file, flare_cache, capsys):
     hub.add_commit(REPO, upload())
     assert flare("download", REPO, "--gpus", "0,1", config_file=config_file, flare_cache=flare_cache) == 2
@@ -291,11 +306,29 @@ def test_run_switches_a_downloaded_default_to_a_verified_update(hub, upload, opt
     assert ModelCache(flare_cache).default_version("stories260k") == second.name
 
 
+def test_an_update_naming_a_different_model_is_rejected(hub, upload, options, flare_cache, stories260k, tmp_path):
+    import io
+
+    from flare.prepare import CheckpointSource, ExportOptions, RecipeFacts, export_model
+    from flare.ui.progress import PhaseProgress
+    hub.add_commit(REPO, upload())
+    first = resolve_package_target(REPO, options)
+    other = export_model(CheckpointSource(stories260k), RecipeFacts(name="llama", model_id="other260k"),
+                         ExportOptions(cache_root=tmp_path / "other-cache"), PhaseProgress(stream=io.StringIO()))
+    convert(other, tmp_path / "other-upload", "directory")
+    hub.add_commit(REPO, tmp_path / "other-upload")
+    stream = io.StringIO()
+    assert resolve_package_target("stories260k", options, stream) == first
+    assert "now holds other260k" in stream.getvalue()
+    assert not (flare_cache / "models" / "other260k").exists()
+
+
 def test_a_locally_exported_model_never_looks_up_a_repository(hub, export, cache_root, config_file):
     local = export()
     options = DownloadOptions(config=load_config(config_file), model_cache=cache_root)
     assert resolve_package_target("stories260k", options) == local
     assert hub.requests == []
+    assert SourceRecords(ModelCache(cache_root)).origin_of_path(local) is None
     from dataclasses import replace
     with pytest.raises(UsageError, match="exported locally"):
         resolve_package_target("stories260k", replace(options, revision="main"))

@@ -278,10 +278,10 @@ def _acquire(repo_id: str, revision: str, options: DownloadOptions, stream: Text
                                    expected_model_key)
     if installed is not None:
         _say(stream, f"{repo_id}@{commit[:12]} is already cached as {installed.entry}; nothing to transfer")
-    else:
-        with cache.lock(f"download-{model_key_for(repo_id.casefold())}"):   # one transfer per repository
+    with cache.lock(f"download-{model_key_for(repo_id.casefold())}"):       # one transfer per repository
+        if installed is None:
             installed = _install(repo_id, commit, options, hub_options, cache, stream, expected_model_key)
-            _remove_transport(repo_id, hub_options.cache_dir)
+        _remove_transport(repo_id, hub_options.cache_dir)
     cache.select(installed.entry)
     records.add(SourceRecord(repository=repo_id, requested_revision=revision, requested_filename=options.filename,
                              commit=commit, filename=installed.filename, tensor_parallel=options.tensor_parallel,
@@ -397,7 +397,8 @@ def _remove_transport(repo_id: str, transport: Path) -> None:
     """Drop a repository's transport files once its package is installed; the payloads live on in blobs/."""
     from flare.hub import repo_folder_name
 
-    shutil.rmtree(transport / repo_folder_name(repo_id), ignore_errors=True)
+    for folder in (transport / repo_folder_name(repo_id), transport / ".locks" / repo_folder_name(repo_id)):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- the repository's files -----------------------------------------------------------------------------

@@ -122,6 +122,11 @@ class SourceRecords:
         matching = [r for r in self.records(repository) if r.commit == commit and r.requested_filename == filename]
         return matching[-1] if matching else None
 
+    def origin_of_path(self, path: Path) -> SourceRecord | None:
+        """The download origin of the cache entry at `path` (None outside the cache or when exported locally)."""
+        entry = self.cache.entry_for_path(path)
+        return self.origin_of(entry) if entry is not None else None
+
     def origin_of(self, entry: EntryId) -> SourceRecord | None:
         """The latest download that installed `entry`, or None for an entry exported locally."""
         if not self.root.is_dir():
