@@ -124,6 +124,20 @@ def test_payloads_already_cached_are_linked_not_downloaded(hub, upload, options,
     assert hub.bodies_served == ["model.safetensors"]
 
 
+def test_a_cached_payload_object_of_the_wrong_size_is_an_error(hub, upload, options, flare_cache, capsys):
+    hub.add_commit(REPO, upload())
+    cache = ModelCache(flare_cache)
+    first = download(REPO, options)
+    cache.remove(cache.entry_for_path(first), clear_default=True)
+    (flare_cache / "sources").joinpath(os.listdir(flare_cache / "sources")[0]).unlink()
+    blob = next(cache.blobs.iterdir())
+    os.chmod(blob, 0o644)
+    blob.write_bytes(blob.read_bytes()[:-1])
+    with pytest.raises(PreparationError, match="bytes, but payload"):
+        download(REPO, options)
+    assert cache.entries() == []
+
+
 def test_offline_resolves_only_recorded_downloads_without_requests(hub, upload, config_file, flare_cache, capsys):
     hub.add_commit(REPO, upload())
     assert flare("download", REPO, "--offline", config_file=config_file, flare_cache=flare_cache) == 3
@@ -299,6 +313,8 @@ def test_run_switches_a_downloaded_default_to_a_verified_update(hub, upload, opt
     hub.add_commit(REPO, upload("second"))
     second = resolve_package_target("stories260k", options)
     assert second != first and ModelCache(flare_cache).default_version("stories260k") == second.name
+    origin = SourceRecords(ModelCache(flare_cache)).origin_of_path(first)
+    assert origin is not None and origin.repository == REPO        # the older entry keeps its origin
     third_folder = upload("third")
     _break_signature(third_folder / fmt.PRIMARY_NAME)
     hub.add_commit(REPO, third_folder)

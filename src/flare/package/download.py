@@ -24,6 +24,7 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -358,6 +359,7 @@ def _receive_payload(record: dict, package: fmt.PackageFiles, repo_id: str, comm
     target = tree / record["name"]
     target.parent.mkdir(parents=True, exist_ok=True)
     if cache.has_blob(record["sha256"]):
+        _check_cached_blob(cache.blob_path(record["sha256"]), record)
         cache.link_blob(record["sha256"], target)      # the same bytes are cached already: no transfer
         return False
     where = f"{repo_id}@{commit}"
@@ -378,6 +380,16 @@ def _receive_payload(record: dict, package: fmt.PackageFiles, repo_id: str, comm
         raise FetchError(f"{where}: {companion} differs from the signed manifest (SHA-256 {digest}, signed "
                          f"{record['sha256']}); nothing was installed")
     return True
+
+
+def _check_cached_blob(blob: Path, record: dict) -> None:
+    """A cached payload object must be a regular file of the signed size (its bytes are hashed when served)."""
+    info = blob.lstat()
+    if not stat.S_ISREG(info.st_mode) or info.st_size != record["size"]:
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
+        raise PreparationError(f"the cached payload object {blob} is {what}, but payload {record['name']} is "
+                               f"{record['size']} bytes; remove that file and run `flare models gc`, then "
+                               "download again")
 
 
 def _publish(cache: ModelCache, tree: Path, entry: EntryId, envelope: str) -> None:

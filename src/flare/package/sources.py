@@ -2,12 +2,13 @@
 
     <cache>/sources/<repository-key>.json    {"repository": "Org/Name", "records": [record, ...]}
 
-`flare download` writes one record per request, keyed by the revision asked for and the filename asked
-for (none: the primary was selected automatically). A record says which commit that request resolved to,
-which primary it selected, the tensor-parallel selection, the installed entry, and the SHA-256 of the
-entry's signed envelope (its primary file, holding the signed manifest and signature) as authenticated
-during acquisition. A later download of the same request replaces the record, so a branch always
-resolves its last successfully acquired commit.
+Each successful download appends a record: the request (the revision asked for and the filename asked
+for; none means the primary was selected automatically), the commit it resolved to, the primary it
+selected, the tensor-parallel selection, the installed entry, and the SHA-256 of the entry's signed
+envelope (its primary file, holding the signed manifest and signature) as authenticated during
+acquisition. Lookups take the latest matching record, so a branch resolves its last successfully
+acquired commit, while an older entry keeps its own origin after the branch moves on. Downloading the
+same request, commit and entry again moves its record to the end instead of adding another.
 
 Offline resolution reads only these records, never the hub cache. A record without an envelope hash is
 unbound: it stays readable but offline resolution refuses it. Locally exported entries have no record.
@@ -78,27 +79,16 @@ class SourceRecords:
         return self.root / f"{model_key_for(repository.casefold())}.json"
 
     def records(self, repository: str) -> list[SourceRecord]:
-        try:
-            document = json.loads(self.path_for(repository).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError):
-            return []                                   # an unreadable record is no record: download again
-        records = []
-        for fields in document.get("records", []):
-            try:
-                records.append(SourceRecord.from_json(fields, document.get("repository", repository)))
-            except (KeyError, TypeError):
-                continue
-        return records
+        return _read_records(self.path_for(repository), repository)
 
     def add(self, record: SourceRecord) -> None:
-        """Record a successful download, replacing the earlier record of the same request."""
+        """Record a successful download as the latest of its request."""
         if not record.downloaded_at:
             now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             record = SourceRecord(**{**asdict(record), "downloaded_at": now})
         with self.cache.lock(f"sources-{self.path_for(record.repository).stem}"):
-            kept = [r for r in self.records(record.repository) if r.request != record.request]
+            same = (record.request, record.commit, record.entry)
+            kept = [r for r in self.records(record.repository) if (r.request, r.commit, r.entry) != same]
             self._write(record.repository, kept + [record])
 
     def _write(self, repository: str, records: list[SourceRecord]) -> None:
@@ -129,13 +119,24 @@ class SourceRecords:
 
     def origin_of(self, entry: EntryId) -> SourceRecord | None:
         """The latest download that installed `entry`, or None for an entry exported locally."""
-        if not self.root.is_dir():
-            return None
-        found = []
-        for path in sorted(self.root.glob("*.json")):
-            try:
-                repository = json.loads(path.read_text(encoding="utf-8")).get("repository", "")
-            except (OSError, ValueError):
-                continue
-            found += [r for r in self.records(repository) if r.entry == entry]
-        return max(found, key=lambda r: r.downloaded_at, default=None)
+        latest = None
+        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
+            for record in _read_records(path, ""):
+                if record.entry == entry and (latest is None or record.downloaded_at >= latest.downloaded_at):
+                    latest = record
+        return latest
+
+
+def _read_records(path: Path, repository: str) -> list[SourceRecord]:
+    """A repository's records in the order they were written; an unreadable file is no record (download again)."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    records = []
+    for fields in document.get("records", []):
+        try:
+            records.append(SourceRecord.from_json(fields, document.get("repository", repository)))
+        except (KeyError, TypeError):
+            continue
+    return records
