@@ -91,7 +91,7 @@ def test_download_installs_a_verified_selected_entry_and_prints_only_its_path(
 
 def test_models_download_is_the_same_command(hub, upload, config_file, flare_cache, capsys):
     hub.add_commit(REPO, upload())
-    assert main(["models", "download", REPO, "--config", str(config_file), "--model-cache", str(flare_cache)]) == 0
+    assert main(["models", "--config", str(config_file), "--model-cache", str(flare_cache), "download", REPO]) == 0
     first = capsys.readouterr().out
     assert flare("download", REPO, config_file=config_file, flare_cache=flare_cache) == 0
     assert capsys.readouterr().out == first

@@ -308,22 +308,45 @@ def _already_installed(cache: ModelCache, record: SourceRecord | None, options: 
     return _Installed(record.entry, record.filename, record.envelope_sha256)
 
 
+@dataclass(frozen=True)
+class _Remote:
+    """One repository at one commit: its files and sizes, and the directory of the selected primary."""
+
+    repo_id: str
+    commit: str
+    files: dict[str, int]
+    primary: str
+    hub_options: HubOptions
+
+    @property
+    def where(self) -> str:
+        return f"{self.repo_id}@{self.commit}"
+
+    def companion(self, payload_name: str) -> str:
+        """Companions resolve from the primary's directory at the same commit."""
+        return posixpath.join(posixpath.dirname(self.primary), payload_name)
+
+    def download(self, filename: str) -> Path:
+        from flare import hub
+        return hub.download_file(self.repo_id, self.commit, filename, self.hub_options)
+
+
 def _install(repo_id: str, commit: str, options: DownloadOptions, hub_options: HubOptions, cache: ModelCache,
              stream: TextIO, expected_model_key: str | None) -> _Installed:
     from flare import hub
 
-    where = f"{repo_id}@{commit}"
     files = hub.repository_files(repo_id, commit, hub_options)
-    primary_name = select_primary(files, options.filename, where)
-    _say(stream, f"{where}: downloading {primary_name} ({_size(files[primary_name])})")
-    downloaded = hub.download_file(repo_id, commit, primary_name, hub_options)
+    remote = _Remote(repo_id, commit, files, select_primary(files, options.filename, f"{repo_id}@{commit}"),
+                     hub_options)
+    _say(stream, f"{remote.where}: downloading {remote.primary} ({_size(files[remote.primary])})")
+    downloaded = remote.download(remote.primary)
     with cache.staging_tree() as staging:
         received = staging / "received" / fmt.PRIMARY_NAME
         _place(downloaded, received)
-        package = _read_package(received, f"{where}: {primary_name}")
-        manifest = _verify_envelope(package, f"{where}: {primary_name}")
+        package = _read_package(received, f"{remote.where}: {remote.primary}")
+        manifest = _verify_envelope(package, f"{remote.where}: {remote.primary}")
         _check_model(manifest, expected_model_key, repo_id)
-        _check_tensor_parallel(manifest, options.tensor_parallel, where)
+        _check_tensor_parallel(manifest, options.tensor_parallel, remote.where)
         entry = EntryId(manifest["model_key"], manifest["version"])
         tree = staging / "entry"
         tree.mkdir()
@@ -332,53 +355,57 @@ def _install(repo_id: str, commit: str, options: DownloadOptions, hub_options: H
         else:
             os.rename(received, tree / fmt.PRIMARY_NAME)
         envelope = envelope_sha256(tree)
-        existing = cache.entry_path(entry)
-        if (existing / fmt.PRIMARY_NAME).is_file() and envelope_sha256(existing) == envelope:
-            _verify_entry(existing, hash_payloads=False)
-            _say(stream, f"{where}: already cached as {entry}; nothing more to transfer")
-            return _Installed(entry, primary_name, envelope)
-        directory = posixpath.dirname(primary_name)
+        if _is_cached(cache, entry, envelope):
+            _say(stream, f"{remote.where}: already cached as {entry}; nothing more to transfer")
+            return _Installed(entry, remote.primary, envelope)
         received_payloads = [record for record in manifest["payloads"]
-                             if _receive_payload(record, package, repo_id, commit,
-                                                 posixpath.join(directory, record["name"]), files, hub_options,
-                                                 cache, tree, stream)]
+                             if _receive_payload(record, package, remote, cache, tree, stream)]
         for record in received_payloads:               # only once every payload matched its signed hash
             cache.store_payload(tree / record["name"], record["sha256"])
         _publish(cache, tree, entry, envelope)
-    _say(stream, f"{where}: installed {entry}")
-    return _Installed(entry, primary_name, envelope)
+    _say(stream, f"{remote.where}: installed {entry}")
+    return _Installed(entry, remote.primary, envelope)
 
 
-def _receive_payload(record: dict, package: fmt.PackageFiles, repo_id: str, commit: str, companion: str,
-                     files: dict[str, int], hub_options: HubOptions, cache: ModelCache, tree: Path,
+def _is_cached(cache: ModelCache, entry: EntryId, envelope: str) -> bool:
+    """Whether the cache already holds this exact entry; a different package under its name is an error."""
+    existing = cache.entry_path(entry)
+    if not (existing / fmt.PRIMARY_NAME).is_file():
+        return False
+    if envelope_sha256(existing) != envelope:
+        raise FetchError(f"{cache.root} already holds a different package as {entry}; remove it with "
+                         f"`flare models remove {entry}` to download this one")
+    _verify_entry(existing, hash_payloads=False)
+    return True
+
+
+def _receive_payload(record: dict, package: fmt.PackageFiles, remote: _Remote, cache: ModelCache, tree: Path,
                      stream: TextIO) -> bool:
     """Put one payload into the entry tree: linked from an identical cached blob (False), or received from
     the packed primary or the hub and checked against its signed hash (True: it still goes into blobs/)."""
-    from flare import hub
-
     target = tree / record["name"]
     target.parent.mkdir(parents=True, exist_ok=True)
     if cache.has_blob(record["sha256"]):
         _check_cached_blob(cache.blob_path(record["sha256"]), record)
         cache.link_blob(record["sha256"], target)      # the same bytes are cached already: no transfer
         return False
-    where = f"{repo_id}@{commit}"
+    companion = remote.companion(record["name"])
     if package.form == "packed":
         location = package.locate(record["name"], record["size"])
         _copy_range(location.path, location.offset, record["size"], target)
     else:
-        if companion not in files:
-            raise FetchError(f"{where} lacks {companion}, which the signed manifest of its package names; "
+        if companion not in remote.files:
+            raise FetchError(f"{remote.where} lacks {companion}, which the signed manifest of its package names; "
                              "the repository's upload is incomplete")
-        if files[companion] != record["size"]:
-            raise FetchError(f"{where}: {companion} is {files[companion]} bytes, the signed manifest records "
-                             f"{record['size']}; the repository does not hold the package it signed")
-        _say(stream, f"{where}: downloading {companion} ({_size(record['size'])})")
-        _place(hub.download_file(repo_id, commit, companion, hub_options), target)
+        if remote.files[companion] != record["size"]:
+            raise FetchError(f"{remote.where}: {companion} is {remote.files[companion]} bytes, the signed manifest "
+                             f"records {record['size']}; the repository does not hold the package it signed")
+        _say(stream, f"{remote.where}: downloading {companion} ({_size(record['size'])})")
+        _place(remote.download(companion), target)
     digest = sha256_file(target)
     if target.stat().st_size != record["size"] or digest != record["sha256"]:
-        raise FetchError(f"{where}: {companion} differs from the signed manifest (SHA-256 {digest}, signed "
-                         f"{record['sha256']}); nothing was installed")
+        raise FetchError(f"{remote.where}: {companion} differs from the signed manifest (SHA-256 {digest}, "
+                         f"signed {record['sha256']}); nothing was installed")
     return True
 
 
@@ -395,12 +422,9 @@ def _check_cached_blob(blob: Path, record: dict) -> None:
 def _publish(cache: ModelCache, tree: Path, entry: EntryId, envelope: str) -> None:
     """Rename the finished tree into models/ under the model's lock, as export publishes."""
     with cache.lock(f"model-{entry.model_key}"):
-        destination = cache.entry_path(entry)
-        if (destination / fmt.PRIMARY_NAME).is_file():
-            if envelope_sha256(destination) != envelope:
-                raise FetchError(f"{cache.root} already holds a different package as {entry}; remove it with "
-                                 f"`flare models remove {entry}` to download this one")
+        if _is_cached(cache, entry, envelope):
             return                                      # an identical entry was published meanwhile
+        destination = cache.entry_path(entry)
         destination.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tree, destination)
 
