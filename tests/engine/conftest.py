@@ -9,6 +9,20 @@ from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The models here are tiny: one thread is fastest, and spinning thread pools on a busy two-core
+    machine cost ten times the CPU. OMP_NUM_THREADS reaches the engine-core processes tests spawn."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def make_fake_core():
     """Build EngineCores over a FakeRunner; after the test each one's page integrity check must pass."""

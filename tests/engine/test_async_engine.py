@@ -27,8 +27,7 @@ def tokenizer(stories260k):
 
 @pytest.fixture(scope="module")
 def async_engine(stories260k, tokenizer):
-    engine = AsyncEngine(ModelFactory(load_checkpoint_model, (str(stories260k),), {"engine_config": CONFIG}),
-                         tokenizer, seed=0)
+    engine = AsyncEngine.from_checkpoint(stories260k, CONFIG, seed=0)
     yield engine
     engine.shutdown()
 
@@ -98,3 +97,10 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_core_that_cannot_load_its_model_says_why(tokenizer, tmp_path):
+    from flare.engine.async_engine import EngineDeadError
+
+    with pytest.raises(EngineDeadError, match="config.json"):
+        AsyncEngine(ModelFactory(load_checkpoint_model, (str(tmp_path / "missing"),)), tokenizer)

@@ -120,3 +120,31 @@ def test_a_too_long_prompt_is_refused(engine):
 
     with pytest.raises(InvalidRequest, match="shorten the prompt"):
         engine(max_model_len=8, num_pages=2, page_size=4).add_request("r", list(range(3, 20)))
+
+
+def test_a_repeated_prompt_reuses_cached_pages_and_gives_the_same_text(engine, reference):
+    llm = engine(page_size=4, num_pages=128)
+    prompt = reference["prompt_ids"] + reference["greedy_ids"][:30]      # 35 tokens: 8 full pages
+    params = SamplingParams(temperature=0, max_tokens=20)
+    [first] = llm.generate([prompt], params)
+    [second] = llm.generate([prompt], params)
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
+    assert second.new_token_ids == first.new_token_ids == tuple(reference["greedy_ids"][30:50])
+    [uncached] = engine(page_size=4, num_pages=128, enable_prefix_caching=False).generate([prompt], params)
+    assert uncached.new_token_ids == first.new_token_ids
+
+
+def test_prompt_logprobs_survive_preemption(engine):
+    prompts = ["Once upon a time there was a little girl named Lily", "Tom had a big dog. The dog was happy",
+               "The sun was hot and the children played in the park"]
+    params = SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=1, logprobs=0)
+    roomy = engine().generate(prompts, params)
+    tight = engine(page_size=4, num_pages=24, max_model_len=96, prefill_chunk=4, max_num_batched_tokens=8)
+    squeezed = tight.generate(prompts, params)
+    assert tight.core.stats().num_preemptions > 0
+    for a, b in zip(roomy, squeezed):
+        assert a.new_token_ids == b.new_token_ids
+        assert len(b.prompt_logprobs) == b.num_prompt_tokens
+        assert [e.token_id for e in b.prompt_logprobs[1:]] == [e.token_id for e in a.prompt_logprobs[1:]]
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)

@@ -95,3 +95,12 @@ def test_partial_stop_length():
     assert partial_stop_length("abc ST", ["STOP"]) == 2
     assert partial_stop_length("abc", ["STOP"]) == 0
     assert partial_stop_length("x\n\n", ["\n\n\n", "xy"]) == 2
+
+
+def test_eos_ids_join_the_tokenizer_and_generation_config(tmp_path):
+    from flare.frontend.tokenizer import eos_token_ids_of
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    assert eos_token_ids_of(tmp_path, 128009) == [128009, 128001]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert eos_token_ids_of(tmp_path, None) == [7]

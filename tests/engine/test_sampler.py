@@ -108,3 +108,13 @@ def test_logprobs_are_the_raw_model_distribution_with_rank_and_top_alternatives(
     assert [t for t, _ in entry.top] == [1, 2]
     assert entry.top[0][1] == pytest.approx(raw[1].item())
     assert Sampler(seed=0)(logits, [request(temperature=0)]).logprobs == [None]
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
+                                          ("max_tokens", 0), ("stop", ("",)), ("logprobs", 21),
+                                          ("presence_penalty", 2.5), ("repetition_penalty", 0.0)])
+def test_out_of_range_sampling_values_are_refused_naming_the_field(field, value):
+    from flare.engine.sampling_params import InvalidSamplingParams
+
+    with pytest.raises(InvalidSamplingParams, match=field.split("_")[0]):
+        SamplingParams(**{field: value})

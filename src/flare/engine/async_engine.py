@@ -50,6 +50,7 @@ class AsyncEngine:
         self._lock = threading.Lock()                  # streams and output processor: loop and reader thread
         self._send_lock = threading.Lock()             # ZMQ sockets are not thread-safe
         self._dead: str | None = None
+        self._closed = False
         self._socket_dir = Path(tempfile.mkdtemp(prefix="flare-engine-"))
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
@@ -68,6 +69,19 @@ class AsyncEngine:
         self._stats = self._ready.stats
         self._reader = threading.Thread(target=self._read_outputs, name="flare-engine-outputs", daemon=True)
         self._reader.start()
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, engine_config=None, device: str = "cpu",
+                        dtype: str = "float32", seed: int | None = None) -> AsyncEngine:
+        """Serve a Hugging Face checkpoint directory (the core process loads the weights)."""
+        from flare.engine.factory import ModelFactory, load_checkpoint_model
+        from flare.frontend.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(directory)
+        factory = ModelFactory(load_checkpoint_model, (str(directory),),
+                               {"engine_config": engine_config, "device": device, "dtype": dtype,
+                                "extra_eos_token_ids": tokenizer.eos_token_ids})
+        return cls(factory, tokenizer, seed)
 
     # ---- what serving calls ----------------------------------------------------------------------
 
@@ -120,7 +134,10 @@ class AsyncEngine:
         _put(stream, RequestOutput(request_id, (), "", finished=True, finish_reason="abort"))
 
     def shutdown(self, timeout_s: float = 10) -> None:
-        """Stop the core process (waiting for it to exit, then terminating it) and release the sockets."""
+        """Stop the core process (waiting for it to exit, then terminating it) and release the sockets.
+        Requests still streaming end with EngineDeadError. Calling it again does nothing."""
+        if self._closed:
+            return
         if self._process.is_alive():
             self._send(("shutdown",))
             self._process.join(timeout_s)
@@ -192,6 +209,7 @@ class AsyncEngine:
             self._fail(request_id, error)
 
     def _close(self) -> None:
+        self._closed = True
         self._commands.close(linger=0)
         self._outputs.close(linger=0)
         self._context.term()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from flare.engine.config import EngineConfig
-from flare.engine.kv_cache import PageAllocator
+from flare.engine.kv_cache import KVCacheIntegrityError, PageAllocator
 from flare.engine.outputs import CoreOutput
 from flare.engine.request import EngineRequest, Request, check_stop
 from flare.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
@@ -81,7 +81,12 @@ class EngineCore:
         self.allocator.check_integrity()
         queued = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
         if queued != set(self.requests):
-            raise RuntimeError(f"scheduler holds {sorted(queued)} but the core tracks {sorted(self.requests)}")
+            raise KVCacheIntegrityError(f"scheduler holds {sorted(queued)} but the core tracks {sorted(self.requests)}")
+        for request in self.scheduler.running:
+            held = len(self.allocator.page_table(request.request_id))
+            if held < self.allocator.pages_for(request.num_computed_tokens):
+                raise KVCacheIntegrityError(
+                    f"request {request.request_id!r} computed {request.num_computed_tokens} tokens but holds {held} pages")
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineStats
 
-IDLE_POLL_MS = 1000     # how often an idle core checks that its parent is still alive
+IDLE_POLL_MS = 1000     # an idle core wakes this often to check that its parent is still alive
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _build(factory, seed):
 
 
 def _serve(core, commands, outputs, parent: int) -> None:
-    while True:
+    while os.getppid() == parent:                    # else the frontend died without saying goodbye
         timeout = 0 if core.has_unfinished() else IDLE_POLL_MS
         changed = False
         while commands.poll(timeout):
@@ -72,14 +72,9 @@ def _serve(core, commands, outputs, parent: int) -> None:
             if error is not None:
                 outputs.send(pickle.dumps(error))
             changed, timeout = True, 0
-        if core.has_unfinished():
-            produced = core.step()
-            if produced or changed:
-                outputs.send(pickle.dumps(("outputs", produced, core.stats())))
-        elif changed:
-            outputs.send(pickle.dumps(("outputs", [], core.stats())))
-        elif os.getppid() != parent:
-            return                                   # the frontend died without saying goodbye
+        produced = core.step() if core.has_unfinished() else []
+        if produced or changed:
+            outputs.send(pickle.dumps(("outputs", produced, core.stats())))
 
 
 def _handle(core, message: tuple) -> tuple | None:

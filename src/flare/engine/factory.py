@@ -38,8 +38,12 @@ class ModelFactory:
 
 
 def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | None = None,
-                          device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """Load a Hugging Face checkpoint directory with the pure-PyTorch attention backend."""
+                          device: str = "cpu", dtype: str = "float32",
+                          extra_eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
+    """Load a Hugging Face checkpoint directory with the pure-PyTorch attention backend.
+
+    EOS ids: config.json's, generation_config.json's, then `extra_eos_token_ids` (the tokenizer's).
+    """
     import torch
 
     from flare.engine.attention import TorchReferenceBackend
@@ -49,7 +53,7 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     directory = Path(directory)
     model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, TorchReferenceBackend())
     eos = list(model_config.eos_token_ids)
-    for token_id in eos_token_ids_of(directory, None):
+    for token_id in [*eos_token_ids_of(directory, None), *extra_eos_token_ids]:
         if token_id not in eos:
             eos.append(token_id)
     if engine_config is None:

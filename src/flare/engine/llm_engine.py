@@ -32,8 +32,9 @@ class LLMEngine:
         """Load a Hugging Face checkpoint directory (weights, config and tokenizer)."""
         from flare.engine.factory import build_core, load_checkpoint_model
 
-        loaded = load_checkpoint_model(directory, engine_config, device, dtype)
-        return cls(build_core(loaded, seed), load_tokenizer(directory))
+        tokenizer = load_tokenizer(directory)
+        loaded = load_checkpoint_model(directory, engine_config, device, dtype, tokenizer.eos_token_ids)
+        return cls(build_core(loaded, seed), tokenizer)
 
     @classmethod
     def from_model(cls, model, model_config, tokenizer: Tokenizer, engine_config: EngineConfig,

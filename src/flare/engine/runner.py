@@ -30,15 +30,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput, allocator: PageAllocator) -> RunnerOutput:
         chunks = scheduled.chunks
-        input_ids, positions, meta = self._prepare(chunks, allocator)
+        input_ids, positions, meta, query_start = self._prepare(chunks, allocator)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        ends = meta.query_start_loc[1:].long() - 1
-        prompt_logprobs = self._prompt_logprobs(chunks, hidden, meta.query_start_loc.tolist())
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden, query_start)
         sampling = [i for i, chunk in enumerate(chunks) if chunk.completes]
         if not sampling:
             return RunnerOutput({}, {}, prompt_logprobs)
         requests = [chunks[i].request for i in sampling]
-        result = self.sampler(self.model.compute_logits(hidden[ends[sampling]]), requests)
+        last_rows = [query_start[i + 1] - 1 for i in sampling]      # each chunk's last token
+        result = self.sampler(self.model.compute_logits(hidden[last_rows]), requests)
         ids = [r.request_id for r in requests]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
@@ -70,7 +70,7 @@ class ModelRunner:
             page_size=page_size,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device), meta)
+                torch.tensor(positions, dtype=torch.int64, device=device), meta, query_start)
 
     def _prompt_logprobs(self, chunks, hidden: torch.Tensor, query_start: list[int]) -> dict[str, list]:
         """Logprobs of the prompt tokens each chunk predicts: the row at position p scores token p + 1."""

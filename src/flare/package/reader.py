@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from flare.package import verify
 from flare.package import weights as wt
 from flare.package.store import DEFAULT_CACHE_ROOT, ModelCache
 from flare.package.trust import TrustOptions, TrustResult, authorize, verify_signature
+
+
+_ASSET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")     # frontend assets are written by these names
 
 
 @dataclass
@@ -137,6 +141,10 @@ def read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[s
         data = verify.read_verified(files, record)
         tensors, metadata = _decode(data, record["name"])
         if record["kind"] == "frontend":
+            for asset in tensors:
+                if not _ASSET_NAME.fullmatch(asset):
+                    raise UsageError(f"{files.primary_path}: frontend asset {asset!r} is not a plain file name; "
+                                     "the package is malformed and cannot be used")
             frontend.update(tensors)
         else:
             catalogs[record["name"]] = json.loads(metadata.get("flare.graph_catalog", "{}"))

@@ -24,10 +24,12 @@ def make_console(stream: TextIO | None = None, plain: bool = False):
     stream = stream or sys.stdout
     terminal = bool(getattr(stream, "isatty", lambda: False)())
     dumb = os.environ.get("TERM") == "dumb"
+    width = REDIRECTED_WIDTH
     if terminal:
-        width = max(MIN_WIDTH, min(MAX_WIDTH, os.get_terminal_size(stream.fileno()).columns))
-    else:
-        width = REDIRECTED_WIDTH
+        try:
+            width = max(MIN_WIDTH, min(MAX_WIDTH, os.get_terminal_size(stream.fileno()).columns))
+        except (OSError, ValueError, AttributeError):
+            pass                                        # a terminal whose size cannot be read
     styled = terminal and not plain and not dumb
     return Console(file=stream, width=width, no_color=not styled, color_system="auto" if styled else None,
                    force_terminal=styled, highlight=False, emoji=False, soft_wrap=False)

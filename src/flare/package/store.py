@@ -149,6 +149,18 @@ class ModelCache:
     def has_blob(self, sha256: str) -> bool:
         return self.blob_path(sha256).exists()
 
+    def publish(self, staged_entry: Path, entry: EntryId, select: bool = True) -> Path:
+        """Rename a finished staging tree into models/ as `entry` (a version signed elsewhere)."""
+        with self.lock(f"model-{entry.model_key}"):
+            destination = self.entry_path(entry)
+            if destination.exists():
+                raise UsageError(f"{entry} is already in {self.root}")
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(staged_entry, destination)
+            if select:
+                self._write_ref(entry)
+        return destination
+
     def publish_new_version(self, staged_entry: Path, model_key: str, finish: Callable[[str], None],
                             select: bool = True) -> Path:
         """Choose a fresh version under the model's lock, let `finish(version)` write the signed primary,
