@@ -420,13 +420,12 @@ def _check_cached_blob(blob: Path, record: dict) -> None:
 
 
 def _publish(cache: ModelCache, tree: Path, entry: EntryId, envelope: str) -> None:
-    """Rename the finished tree into models/ under the model's lock, as export publishes."""
-    with cache.lock(f"model-{entry.model_key}"):
-        if _is_cached(cache, entry, envelope):
-            return                                      # an identical entry was published meanwhile
-        destination = cache.entry_path(entry)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tree, destination)
+    """Rename the finished tree into models/ as export publishes; selecting it is the caller's last step."""
+    try:
+        cache.publish(tree, entry, select=False)
+    except UsageError:
+        if not _is_cached(cache, entry, envelope):     # an identical entry published meanwhile is fine
+            raise
 
 
 def _remove_transport(repo_id: str, transport: Path) -> None:
