@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from flare.errors import CapacityError, UsageError
-from flare.server.kv_sizing import parse_memory_limit, size_kv_pool
+from flare.server.kv_sizing import serving_kv_pool
 from flare.server.launch import ListenerOptions, api_key, serving_concurrency, served_names
 from flare.server.listener import open_listener, url_for
 from flare.server.served_model import ServedModel
@@ -76,20 +76,6 @@ def test_port_in_use_is_a_clear_error():
         taken.close()
 
 
-@pytest.mark.parametrize("text, kind, value", [("30g", "occupied", 30 << 30), ("-30G", "reserve", 30 << 30),
-                                               ("-0g", "reserve", 0), ("0.8", "fraction", 0.8),
-                                               ("512MiB", "occupied", 512 << 20)])
-def test_memory_limit_forms(text, kind, value):
-    limit = parse_memory_limit(text)
-    assert (limit.kind, limit.value) == (kind, value)
-
-
-@pytest.mark.parametrize("text", ["0", "1.5", "-0.2", "nan", "30", "lots"])
-def test_memory_limit_rejects(text):
-    with pytest.raises(UsageError):
-        parse_memory_limit(text)
-
-
 def _model(**changes) -> ServedModel:
     values = dict(canonical_id="Tiny-1", served_names=("tiny",), hf_config={}, frontend_dir=None, dtype="float32",
                   page_size=16, prefill_chunk=64, prepared_concurrency=8, max_model_len=512, weight_bytes=1,
@@ -136,8 +122,10 @@ def test_kv_pool_follows_the_kv_cache_limit(stories260k):
 
     hf_config = json.loads((stories260k / "config.json").read_text())
     model = _model(hf_config=hf_config)
-    context = size_kv_pool(model, 8, "context", "cpu", None, 0)
-    assert context.tokens == 512 and "context" in context.limited_by
-    per_request = size_kv_pool(model, 8, "concurrency", "cpu", None, 0)
+    context = serving_kv_pool(model, 8, "context", None, 0)
+    assert context.tokens == 512 and context.limited_by == "context ceiling"
+    per_request = serving_kv_pool(model, 8, "concurrency", None, 0)
     assert per_request.tokens == 8 * 512
     assert per_request.bytes == 8 * 512 * 2 * 5 * 4 * 8 * 4       # K and V, 5 layers, 4 heads of 8, fp32
+    with pytest.raises(UsageError):
+        serving_kv_pool(model, 8, "memory", "lots", 0)

@@ -16,7 +16,7 @@ from typing import Any, Callable, TextIO
 
 from flare.errors import CapacityError, UsageError
 from flare.server.engine_start import gib, serving_device, start_engine_process, start_in_process
-from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, parse_memory_limit, size_kv_pool
+from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, serving_kv_pool
 from flare.server.listener import open_listener, run_http, url_for
 from flare.server.served_model import ServedModel
 from flare.server.settings import SamplingPolicy, ServerSettings
@@ -81,11 +81,11 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     concurrency = serving_concurrency(listener_options.max_concurrency, config, model)
     if listener_options.kv_cache_limit not in KV_CACHE_LIMITS:
         raise UsageError(f"--kv-cache-limit must be one of {', '.join(KV_CACHE_LIMITS)}")
-    memory_limit = parse_memory_limit(listener_options.memory_limit) if listener_options.memory_limit else None
     configured_reserve = getattr(getattr(config, "memory", None), "reserve", None)
     reserve = configured_reserve if configured_reserve is not None else model.memory_reserve_bytes
     device = serving_device()
-    pool = size_kv_pool(model, concurrency, listener_options.kv_cache_limit, device, memory_limit, reserve)
+    pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, listener_options.memory_limit,
+                           reserve)
     start = start_engine_process if model.package_path is not None else start_in_process
     client = start(model, concurrency, pool, device, stages)
     with stages.stage("Load frontend") as stage:
@@ -104,7 +104,7 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
         with stages.stage("Start HTTP") as stage:
             listener = open_listener(host, port)
             stage.note(url_for(host, port))
-        report = startup_lines() + startup_report(model, settings, pool, concurrency, url_for(host, port))
+        report = startup_lines() + startup_report(model, settings, pool, concurrency, url_for(host, port), device)
         for line in report:
             print(line, file=stream, flush=True)
         return run_http(engine, frontend, settings, listener)
@@ -113,19 +113,20 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
 
 
 def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, concurrency: int,
-                   url: str) -> list[str]:
+                   url: str, device: str) -> list[str]:
     names = ", ".join(settings.served_names)
+    limit = pool.limited_by
+    if device != "cuda" and limit != "memory":
+        limit += " (without a GPU the pool stops at one context per active request)"
     return [
         f"Serving {names} (model {model.canonical_id}) at {url}/v1",
-        f"  footprint: {gib(model.weight_bytes)} weights + {gib(pool.bytes)} KV cache",
+        f"  footprint: {gib(model.weight_bytes)} weights + {gib(pool.bytes)} KV cache on {device}",
         f"  KV cache: {pool.tokens:,} tokens allocated ({pool.pages:,} pages of {pool.page_size}); "
-        f"limited by {pool.limited_by}",
+        f"limited by {limit}",
         f"  concurrency {concurrency}, context {model.max_model_len:,} tokens, "
         f"authentication {'on' if settings.api_key else 'off'}",
     ]
 
-
-# ---- flare run: a package ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class RunOptions:
