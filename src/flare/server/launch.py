@@ -79,6 +79,7 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     from flare.server.frontend import ServingFrontend
 
     concurrency = serving_concurrency(listener_options.max_concurrency, config, model)
+    names, key = served_names(listener_options, model), api_key(listener_options, config)   # fail before loading
     if listener_options.kv_cache_limit not in KV_CACHE_LIMITS:
         raise UsageError(f"--kv-cache-limit must be one of {', '.join(KV_CACHE_LIMITS)}")
     configured_reserve = getattr(getattr(config, "memory", None), "reserve", None)
@@ -97,10 +98,9 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
         server_config = getattr(config, "server", None)
         host = listener_options.host or getattr(server_config, "host", None) or "127.0.0.1"
         port = listener_options.port if listener_options.port is not None else getattr(server_config, "port", 8000)
-        settings = ServerSettings(served_names=served_names(listener_options, model),
-                                  canonical_id=model.canonical_id, max_model_len=model.max_model_len,
-                                  max_concurrency=concurrency, kv_tokens=pool.tokens,
-                                  api_key=api_key(listener_options, config), sampling=model.sampling)
+        settings = ServerSettings(served_names=names, canonical_id=model.canonical_id,
+                                  max_model_len=model.max_model_len, max_concurrency=concurrency,
+                                  kv_tokens=pool.tokens, api_key=key, sampling=model.sampling)
         with stages.stage("Start HTTP") as stage:
             listener = open_listener(host, port)
             stage.note(url_for(host, port))
