@@ -252,3 +252,10 @@ def test_tokenize_and_detokenize_as_vllm(served, oai):
     refused = httpx.post(served.url + "/detokenize", json={"tokens": [99999]}, headers=headers)
     assert refused.status_code == 400 and "outside the vocabulary" in refused.json()["error"]["message"]
     assert httpx.post(served.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_null_fields_mean_their_defaults(served):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": None,
+            "stream": None, "logprobs": None, "temperature": None, "stop": None, "stream_options": None}
+    reply = httpx.post(served.url + "/v1/chat/completions", json=body, headers={"x-api-key": KEY})
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 1
