@@ -90,7 +90,8 @@ def test_the_engine_runs_no_more_requests_than_the_selected_concurrency():
 
 def test_the_policy_travels_in_the_engine_config():
     policy = SchedulerPolicy("throughput", terminal_value=0, terminal_age_price=3)
-    config = engine_config_for_pool(size_kv_pool(memory_budget(DEVICE, headroom=GiB), FIXED, geometry(), "context"),
-                                    max_concurrency=3, prepared_context=1000, prefill_chunk=256, scheduler=policy)
+    pool = size_kv_pool(memory_budget(DEVICE, headroom=GiB), FIXED, geometry(), "context")
+    config = engine_config_for_pool(pool, max_concurrency=3, prepared_context=1000, prefill_chunk=256,
+                                    scheduler_policy=policy)
     assert EngineCore(config, FakeRunner()).scheduler.policy == policy
-    assert EngineConfig().scheduler == SchedulerPolicy("balanced", 256, 1)
+    assert EngineConfig().scheduler_policy == SchedulerPolicy("balanced", 256, 1)

@@ -17,7 +17,7 @@ NO_TERMINAL_VALUE = SchedulerPolicy(terminal_value=0, terminal_age_price=0)
 
 
 def make_core(policy: SchedulerPolicy, clock=None, **settings) -> EngineCore:
-    core = EngineCore(EngineConfig(scheduler=policy, **settings), FakeRunner())
+    core = EngineCore(EngineConfig(scheduler_policy=policy, **settings), FakeRunner())
     if clock is not None:
         core.scheduler.clock = clock
     return core

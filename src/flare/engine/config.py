@@ -25,7 +25,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step, decode and prefill together
     max_model_len: int = 2048           # prompt plus output, per request
     enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
-    scheduler: SchedulerPolicy = field(default_factory=SchedulerPolicy)
+    scheduler_policy: SchedulerPolicy = field(default_factory=SchedulerPolicy)
     prepared_concurrency: int | None = None   # the package's captured capacity; None: no package
     kv_pool_limited_by: KVPoolLimit = "memory"   # what bound num_pages at startup (for the report)
 
@@ -40,7 +40,8 @@ class EngineConfig:
                 f"{self.prepared_concurrency}; choose {self.prepared_concurrency} or less, or export the "
                 f"package again with --max-concurrency {self.max_concurrency}")
         if self.kv_pool_limited_by not in KV_POOL_LIMITS:
-            raise UsageError(f"kv_pool_limited_by {self.kv_pool_limited_by!r}: choose one of {', '.join(KV_POOL_LIMITS)}")
+            raise UsageError(f"kv_pool_limited_by {self.kv_pool_limited_by!r}: "
+                             f"choose one of {', '.join(KV_POOL_LIMITS)}")
         if self.max_num_batched_tokens < self.max_concurrency:
             # Every running request decodes one token per step; the budget must cover all of them.
             raise UsageError(
@@ -65,7 +66,7 @@ class EngineConfig:
 def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int, prefill_chunk: int,
                            max_num_batched_tokens: int | None = None,
                            prepared_concurrency: int | None = None,
-                           scheduler: SchedulerPolicy | None = None,
+                           scheduler_policy: SchedulerPolicy | None = None,
                            enable_prefix_caching: bool = True) -> EngineConfig:
     """The EngineConfig for a KV pool sized at startup (`flare.memory.KVPool`: pages, page_size, limited_by).
 
@@ -80,5 +81,6 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
     budget = max_num_batched_tokens if max_num_batched_tokens is not None else max(prefill_chunk, max_concurrency)
     return EngineConfig(max_concurrency=max_concurrency, page_size=pool.page_size, num_pages=pool.pages,
                         prefill_chunk=prefill_chunk, max_num_batched_tokens=budget, max_model_len=served_context,
-                        enable_prefix_caching=enable_prefix_caching, scheduler=scheduler or SchedulerPolicy(),
+                        enable_prefix_caching=enable_prefix_caching,
+                        scheduler_policy=scheduler_policy or SchedulerPolicy(),
                         prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by)

@@ -88,7 +88,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, allocator: PageAllocator,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.policy = config.scheduler
+        self.policy = config.scheduler_policy
         self.allocator = allocator
         self.clock = clock
         self.waiting: deque[Request] = deque()
