@@ -38,6 +38,8 @@ def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0, **config_
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if not (STORIES260K / TOKENIZER_FILES[0]).is_file():
+        raise FileNotFoundError(f"the tokenizer comes from the stories260k fixture, missing at {STORIES260K}")
     directory = Path(directory)
     config = AutoConfig.for_model(family, **{**BASE_CONFIG, **FAMILY_CONFIG[family], **config_overrides})
     torch.manual_seed(seed)

@@ -430,3 +430,22 @@ def download_snapshot(repo_id: str, commit: str, options: HubOptions) -> Path:
             f"{', '.join(missing[:5])} missing in {path}"
         )
     return path
+
+
+def repository_files(repo_id: str, commit: str, options: HubOptions) -> dict[str, int]:
+    """Every file of a repository at exactly `commit`, with its size in bytes (one listing request)."""
+    if not is_commit(commit):
+        raise ValueError(f"repository_files needs a full commit hash, not {commit!r}")
+    _refuse_offline(repo_id, commit, options, "no file listing")
+    return {sibling.rfilename: sibling.size or 0 for sibling in _model_info(repo_id, commit, options).siblings or []}
+
+
+def download_file(repo_id: str, commit: str, filename: str, options: HubOptions) -> Path:
+    """One file of exactly `commit`, through the hub cache; no request when its snapshot already holds it.
+
+    The returned path is the snapshot's entry (a symbolic link into the cache's blobs where links work).
+    """
+    if not is_commit(commit):
+        raise ValueError(f"download_file needs a full commit hash, not {commit!r}")
+    _refuse_offline(repo_id, commit, options, f"{filename} is not cached")
+    return _download_file(repo_id, commit, filename, options)

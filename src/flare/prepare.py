@@ -1,8 +1,9 @@
 """The export pipeline: resolve, select device, load weights, tune, compile, allocate KV, capture, export.
 
-`export_model(checkpoint_dir, recipe, options)` is what `ignition export` runs once the model is
-resolved and fetched; tests call it directly. On a CPU the tune, compile and capture phases are
-recorded as skipped with the reason, and the package serves the same way.
+`export_model(source, recipe, options)` is what `ignition export` runs once the model is resolved
+and fetched (`RecipeFacts.from_resolved`); tests call it directly with a stand-in recipe. On a CPU
+the tune, compile and capture phases are recorded as skipped with the reason, and the package
+serves the same way.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from flare.package.store import ModelCache, model_key_for
 from flare.ui.progress import PhaseProgress, format_bytes
 
 
-
 @dataclass(frozen=True)
 class RecipeFacts:
-    """What export takes from a recipe; `from_recipe` adapts the registry's Recipe and Checkpoint."""
+    """What export takes from a recipe; `from_resolved` adapts the registry's Recipe and Checkpoint."""
 
     name: str
     model_id: str
@@ -70,7 +70,6 @@ class Settings:
     config_path: Path
     publishing: dict
     package_cache: Path
-    max_concurrency: int | None
     memory_reserve_bytes: int
     exists: bool
     config: object                                 # the flare.config.Config they came from
@@ -95,6 +94,7 @@ class CheckpointSource:
     directory: Path
     repo_id: str | None = None
     revision: str | None = None
+    description: str | None = None                 # the resolver's one-line account, for the log
 
 
 def load_settings(config_path: Path | None) -> Settings:
@@ -106,7 +106,6 @@ def load_settings(config_path: Path | None) -> Settings:
                     publishing={"signing_key": str(publishing.signing_key), "namespace": publishing.namespace,
                                 "official_source": publishing.official_source} if publishing else {},
                     package_cache=Path(config.paths.package_cache).expanduser(),
-                    max_concurrency=config.defaults.max_concurrency,
                     memory_reserve_bytes=config.memory.reserve or 0, exists=config.path.is_file(),
                     config=config)
 
@@ -124,19 +123,22 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     with progress.phase("Resolve model") as phase:
         hf_config = json.loads((source.directory / "config.json").read_text())
         architecture = (hf_config.get("architectures") or ["unknown"])[0]
-        phase.done(f"{recipe.model_id}: {architecture} from {source.directory}"
-                   + (f" ({source.repo_id}@{source.revision})" if source.repo_id else ""))
+        phase.done(f"{recipe.model_id}: {architecture}, "
+                   + (source.description or f"checkpoint directory {source.directory}"))
     with progress.phase("Select GPUs") as phase:
-        device, tensor_parallel = _select_device(options.gpus, recipe)
+        device = _device(options.gpus)
         dtype = options.dtype or recipe.dtype or ("bfloat16" if device == "cuda" else "float32")
         plan = _plan(recipe, options, settings, hf_config, dtype)
-        phase.done(f"{'CPU' if device == 'cpu' else 'GPUs ' + (options.gpus or '0')}; {dtype}; "
+        selected = _fit_memory(source.directory, hf_config, plan, recipe, options.gpus, device)
+        tensor_parallel = max(1, len(selected))
+        phase.done(f"{_device_label(selected)}; {dtype}; "
                    f"concurrency {plan['max_concurrency']}, prefill chunk {plan['prefill_chunk']:,}")
     with progress.phase("Load weights") as phase:
         from flare.package import weights as wt
         files = wt.checkpoint_tensor_files(source.directory)
         groups = wt.group_by_payload(files)
-        phase.done(f"{len(files)} tensors in {len(groups)} layer payloads")
+        phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
+                   f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}")
     skip_reason = "CPU device: nothing to tune" if device == "cpu" else "no tunable kernels in this version"
     with progress.phase("Tune kernels") as phase:
         phase.skip(skip_reason)
@@ -174,29 +176,60 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     return entry
 
 
-def _select_device(gpus: str | None, recipe: RecipeFacts) -> tuple[str, int]:
+def _device(gpus: str | None) -> str:
     import torch
-    count = _count_gpus(gpus) if gpus else 1
-    if count not in recipe.tensor_parallel_sizes:
-        raise UsageError(f"--gpus {gpus} selects {count} GPUs; {recipe.name} supports tensor-parallel sizes "
-                         f"{', '.join(map(str, recipe.tensor_parallel_sizes))}")
-    if not torch.cuda.is_available():
-        if gpus:
-            raise UsageError(f"--gpus {gpus}: no CUDA GPU is visible; omit --gpus to prepare on the CPU")
-        return "cpu", 1
-    if count > torch.cuda.device_count():
-        raise UsageError(f"needs {count} GPUs; {torch.cuda.device_count()} visible; use --gpus 0-{count - 1}")
-    return "cuda", count
+    if torch.cuda.is_available():
+        return "cuda"
+    if gpus:
+        raise UsageError(f"--gpus {gpus}: no CUDA GPU is visible; omit --gpus to prepare on the CPU")
+    return "cpu"
 
 
-def _count_gpus(gpus: str) -> int:
-    indices = set()
-    for part in gpus.split(","):
-        low, _, high = part.strip().partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise UsageError(f"--gpus {gpus} is not a list such as 0, 0,1 or 0-3")
-        indices.update(range(int(low), int(high or low) + 1))
-    return len(indices)
+def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: RecipeFacts, gpus: str | None,
+                device: str) -> tuple[int, ...]:
+    """The GPUs to prepare on (none on the CPU), refusing before any weight loads a model whose
+    estimate does not fit them: the section-6 capacity error."""
+    from dataclasses import replace
+    from flare.estimate import MemoryEstimate, check_estimate, choose_gpus
+    from flare.memory import check_gpu_selection, engine_headroom, memory_budget, parse_gpus, read_device_memory
+    from flare.memory import read_host_memory
+    from flare.package import weights as wt
+    from flare.recipes.base import (graph_and_scratch_bytes, kv_bytes_per_token, live_state_bytes_per_request,
+                                    snapshot_bytes)
+    estimate = MemoryEstimate(
+        weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan["dtype"]),
+        graphs_bytes=graph_and_scratch_bytes(hf_config, plan["max_concurrency"], plan["prefill_chunk"]),
+        live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan["page_size"],
+                                                                  plan["max_model_len"]),
+        prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
+        kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan["dtype"]]),
+        max_concurrency=plan["max_concurrency"])
+    devices = read_device_memory() if device == "cuda" else [read_host_memory()]
+    headroom = engine_headroom("preparation", plan["prefill_chunk"])
+    budgets = [memory_budget(d, headroom, reserve=plan["memory_reserve_bytes"]) for d in devices]
+    sizes = recipe.tensor_parallel_sizes
+    if device == "cpu":
+        check_estimate(estimate, budgets)
+        return ()
+    if gpus is None:
+        return tuple(choose_gpus(estimate, budgets, sizes))
+    selected = parse_gpus(gpus)
+    check_gpu_selection(selected, len(devices))
+    if len(selected) not in sizes:
+        raise UsageError(f"--gpus {gpus} selects {len(selected)} GPUs; {recipe.name} supports tensor-parallel "
+                         f"sizes {', '.join(map(str, sizes))} for this checkpoint")
+    check_estimate(replace(estimate, tensor_parallel=len(selected)), [budgets[i] for i in selected],
+                   all_budgets=budgets, tensor_parallel_sizes=sizes)
+    return selected
+
+
+def _device_label(selected: tuple[int, ...]) -> str:
+    if not selected:
+        return "CPU (no CUDA GPU visible)"
+    from flare.memory import format_gpus, visible_devices
+    visible = visible_devices()                 # CUDA_VISIBLE_DEVICES, the one variable Flare reads
+    return (f"GPU{'s' if len(selected) > 1 else ''} {format_gpus(selected)}"
+            + (f" of CUDA_VISIBLE_DEVICES={','.join(visible)}" if visible is not None else ""))
 
 
 def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str) -> dict:

@@ -40,6 +40,12 @@ def test_a_missing_tensor_is_named(checkpoint):
         fresh_model(checkpoint).load_hf_weights(weights.items())
 
 
+def test_several_missing_tensors_name_the_first_and_count_the_rest(checkpoint):
+    weights = {name: t for name, t in tensors(checkpoint).items() if ".layers.1." not in name}
+    with pytest.raises(WeightError, match=r"tensors model\.layers\.1\.\S+ and \d+ more are missing"):
+        fresh_model(checkpoint).load_hf_weights(weights.items())
+
+
 def test_an_unexpected_tensor_is_named(checkpoint):
     weights = tensors(checkpoint)
     weights["model.layers.0.self_attn.extra_proj.weight"] = torch.zeros(4, 4)

@@ -28,6 +28,7 @@ def export(stories260k, cache_root):
     """Export stories260k into the test's cache; keyword arguments go to ExportOptions."""
     def run(stream=None, **options) -> Path:
         options.setdefault("cache_root", cache_root)
+        options.setdefault("dtype", "float32")          # the checkpoint's own, on any device
         return export_model(CheckpointSource(stories260k), STORIES_RECIPE, ExportOptions(**options),
                             PhaseProgress(stream=stream or io.StringIO(), styled=False))
     return run

@@ -79,3 +79,27 @@ def test_ignition_convert_command(export, tmp_path, capsys):
     assert main(["convert", str(entry), "--form", "packed", "--output", str(tmp_path / "p.safetensors")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "p.safetensors")
     assert main(["convert", str(entry), "--output", str(tmp_path / "p.safetensors")]) == 2
+
+
+def test_ignition_convert_names_the_output_after_the_entry(export, tmp_path, monkeypatch, capsys):
+    from flare.cli.ignition import main
+    entry = export()
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", str(entry), "--form", "packed"]) == 0
+    written = tmp_path / f"stories260k-{entry.name}.safetensors"
+    assert capsys.readouterr().out.strip() == written.name and written.is_file()
+
+
+def test_directory_on_another_filesystem_is_copied(export, approved, tmp_path):
+    import tempfile
+    from pathlib import Path
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second filesystem here")
+    entry = export()
+    with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
+        copy = convert(entry, Path(elsewhere) / "copy", "directory")
+        for payload in (entry / "weights").iterdir():
+            twin = copy / "weights" / payload.name
+            assert twin.stat().st_nlink == 1 and twin.read_bytes() == payload.read_bytes()
+        assert len(list(open_package(copy, approved).iter_weights())) == 47

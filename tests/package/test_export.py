@@ -110,10 +110,18 @@ def test_plan_flags_are_validated(export):
         export(prefill_chunk=100)
     with pytest.raises(UsageError, match="outside llama's range"):
         export(max_concurrency=17)
-    with pytest.raises(UsageError, match="no CUDA GPU") if not torch.cuda.is_available() else pytest.raises(Exception):
+
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="describes preparation on a host without a GPU")
+
+
+@CPU_ONLY
+def test_gpus_without_a_gpu_is_a_usage_error(export):
+    with pytest.raises(UsageError, match="no CUDA GPU is visible"):
         export(gpus="0")
 
 
+@CPU_ONLY
 def test_phases_print_counts_and_skip_reasons_on_cpu(export):
     stream = io.StringIO()
     export(stream=stream)
@@ -140,3 +148,34 @@ def test_ignition_export_rejects_both_weight_flags(stories260k, capsys):
     from flare.cli.ignition import main
     assert main(["export", str(stories260k), "--no-weights", "--reuse-weights"]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_concurrent_exports_publish_distinct_versions(export, cache_root):
+    import threading
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(export())
+        except Exception as error:                  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(set(results)) == 3
+    assert len(ModelCache(cache_root).entries()) == 3
+
+
+@CPU_ONLY
+def test_a_model_that_cannot_fit_fails_before_loading_weights(export, cache_root, monkeypatch):
+    from flare.errors import CapacityError
+    from flare.memory import DeviceMemory
+    small = DeviceMemory(index=0, name="host memory", free=600 * 2 ** 20, total=2 ** 30, host=True)
+    monkeypatch.setattr("flare.memory.read_host_memory", lambda: small)
+    with pytest.raises(CapacityError, match=r"(?s)needs .* weights \+ .* graphs .*;\s+has .* free host memory"):
+        export()
+    assert not (cache_root / "staging").exists() or list((cache_root / "staging").iterdir()) == []
+    assert ModelCache(cache_root).entries() == []

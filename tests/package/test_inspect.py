@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from flare.cli.flare import main
 
@@ -91,3 +90,38 @@ def test_models_list_text_groups_versions(export, cache_root, capsys):
     export()
     text = _json(capsys, ["models", "--model-cache", str(cache_root), "list", "--plain"])
     assert "stories260k (unverified metadata)" in text and "default" in text
+
+
+class _Terminal:
+    """A stand-in for a terminal on stdout."""
+
+    def __init__(self):
+        import io
+        self.buffer = io.StringIO()
+
+    def write(self, text):
+        return self.buffer.write(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+def _inspect_on_terminal(entry, monkeypatch, term):
+    monkeypatch.setenv("TERM", term)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    assert main(["inspect", str(entry)]) == 0
+    return terminal.buffer.getvalue()
+
+
+def test_terminal_output_is_styled_with_the_name_banner(export, monkeypatch):
+    text = _inspect_on_terminal(export(), monkeypatch, "xterm-256color")
+    assert "\x1b[" in text and "█" in text and "┌─" in text
+
+
+def test_term_dumb_disables_styling(export, monkeypatch):
+    text = _inspect_on_terminal(export(), monkeypatch, "dumb")
+    assert "\x1b[" not in text and "█" not in text and "stories260k" in text

@@ -11,7 +11,7 @@ import pytest
 from flare.errors import UsageError
 from flare.package.keys import change_passphrase, keygen, sign_package
 from flare.package.reader import open_package
-from flare.package.signing import Profile, config_dir_for, development_identity, load_private_key, publishing_identity
+from flare.package.signing import Profile, development_identity, load_private_key, publishing_identity
 from flare.package.trust import TrustOptions
 
 REPO = Path(__file__).resolve().parents[2]

@@ -105,6 +105,7 @@ def test_remove_refuses_the_selected_default_and_leased_entries(export, cache_ro
 def test_select_refuses_an_unpublished_version(export, cache_root):
     first, second = export(), export()
     cache = ModelCache(cache_root)
+    assert cache.default_version("stories260k") == second.name
     cache.select(cache.entry_for_path(first))
     assert cache.default_version("stories260k") == first.name
     with pytest.raises(UsageError, match="not a published entry"):

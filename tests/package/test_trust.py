@@ -114,7 +114,7 @@ class _ProfileServer:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/example/model"
 
     def close(self):
@@ -161,3 +161,29 @@ def test_an_absent_profile_leaves_identity_unverified(published):
     fingerprint = Profile.load(profile_path).keys[0].fingerprint
     package = open_package(entry, _options(offline=False, approve_key=fingerprint, accept_publisher="example"))
     assert package.trust.identity.startswith("unverified:") and "does not exist" in package.trust.identity
+
+
+def test_a_confirmed_identity_is_remembered_when_the_source_is_unreachable(published):
+    entry, server, profile_path = published
+    server.body = profile_path.read_bytes()
+    fingerprint = Profile.load(profile_path).keys[0].fingerprint
+    open_package(entry, _options(offline=False, approve_key=fingerprint, accept_publisher="example"))
+    server.body = None
+    assert open_package(entry, _options(offline=False)).trust.identity == "verified on an earlier load"
+
+
+def test_flags_become_trust_options(tmp_path):
+    import argparse
+    from flare.package.trust import add_trust_arguments, trust_options_from_args
+    parser = argparse.ArgumentParser()
+    add_trust_arguments(parser)
+    parser.add_argument("--offline", action="store_true")
+    args = parser.parse_args(["--publisher-keys", "a.json", "--publisher-keys", "b.json", "--verify-weights",
+                              "--dangerously-approve-key", "f" * 64, "--dangerously-accept-publisher", "ns",
+                              "--trust-store", str(tmp_path / "t.toml"), "--offline"])
+    options = trust_options_from_args(args)
+    assert options.publisher_keys == (tmp_path.__class__("a.json"), tmp_path.__class__("b.json"))
+    assert options.verify_weights and options.offline and options.store_path == tmp_path / "t.toml"
+    assert (options.approve_key, options.accept_publisher) == ("f" * 64, "ns")
+    with pytest.raises(UsageError, match="requires --dangerously-accept-publisher"):
+        trust_options_from_args(parser.parse_args(["--dangerously-approve-key", "f" * 64]))

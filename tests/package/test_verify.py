@@ -101,3 +101,24 @@ def test_verify_weights_reports_byte_progress(export, approved):
     open_package(entry, options, on_verify_bytes=seen.append)
     weights = sum(r["size"] for r in _payloads(entry) if r["kind"] == "weights")
     assert sum(seen) == weights
+
+
+def test_a_signed_manifest_cannot_name_a_path_outside_its_entry(export, approved, tmp_path):
+    from flare.package.convert import convert
+    from flare.package.signing import config_dir_for, development_identity
+    entry = export()
+    files = fmt.read_package_files(entry)
+    manifest = files.primary.manifest
+    manifest["payloads"][0]["name"] = "../../escaped.safetensors"
+    body = fmt.manifest_text(manifest)
+    identity = development_identity(config_dir_for(None))          # validly signed, still refused
+    primary = entry / "model.safetensors"
+    primary.chmod(0o644)
+    primary.unlink()
+    fmt.write_primary(primary, fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(),
+                                           "directory"))
+    with pytest.raises(Exception, match="not a plain relative path"):
+        open_package(entry, approved)
+    with pytest.raises(Exception, match="not a plain relative path"):
+        convert(entry, tmp_path / "out", "directory")
+    assert not (tmp_path / "out").exists() and not (entry.parent.parent / "escaped.safetensors").exists()

@@ -64,8 +64,8 @@ class CausalLM(nn.Module):
             loaded.add(name)
         missing = sorted(expected - loaded)
         if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise WeightError(f"checkpoint tensor {missing[0]}{more} is missing; the checkpoint is incomplete")
+            what = f"tensor {missing[0]} is" if len(missing) == 1 else f"tensors {missing[0]} and {len(missing) - 1} more are"
+            raise WeightError(f"checkpoint {what} missing; the checkpoint is incomplete")
         if separate_head is not None:
             self._tie_or_untie(separate_head)
 

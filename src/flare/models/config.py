@@ -217,6 +217,12 @@ def _require_common_features(hf: dict) -> None:
     activation = hf.get("hidden_act", "silu")
     if activation != "silu":
         raise UnsupportedModel(f"hidden_act {activation!r} is not supported; only 'silu' MLPs run")
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModel(
+            f"quantized checkpoints ({method}) are not supported; choose an unquantized (bf16/fp16/fp32) checkpoint"
+        )
 
 
 def _required(hf: dict, key: str) -> Any:

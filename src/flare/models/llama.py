@@ -64,6 +64,7 @@ class LlamaModel(nn.Module):
         dynamic = self.rotary_emb.rope.kind == "dynamic"
         cos, sin = self.rotary_emb(positions, meta.token_seq_lens() if dynamic else None)
         hidden = self.embed_tokens(input_ids)
+        cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)  # once for all layers, as transformers rounds them
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.norm(hidden)

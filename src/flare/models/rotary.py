@@ -34,7 +34,10 @@ class RotaryEmbedding(nn.Module):
 
     def _dynamic_inverse_frequencies(self, token_seq_lens: torch.Tensor) -> torch.Tensor:
         # transformers recomputes the base from the current length (max position + 1) once it exceeds the
-        # trained context, in float32; here the length is each token's own sequence's, not the batch's.
+        # trained context, in float32. Two differences, both in its batch-wide cached state: it uses the
+        # longest sequence of the batch, and keeps the longest length seen until a call falls back under
+        # the trained context. Here each token uses its own sequence's current length, which is the same
+        # within one generation and does not depend on what else is in the batch.
         dim, factor, trained = self.head_dim, self.rope.factor, self.max_position_embeddings
         seq_len = torch.clamp(token_seq_lens.to(torch.int64), min=trained)
         base = self.rope.theta * ((factor * seq_len / trained) - (factor - 1)) ** (dim / (dim - 2))

@@ -58,7 +58,6 @@ def export_entry(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity,
     if weight_mode not in WEIGHT_MODES:
         raise UsageError(f"unknown weight mode {weight_mode!r}")
     model_key = model_key_for(spec.model_id)
-    entry = EntryId(model_key, new_version(cache, model_key))
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
@@ -76,21 +75,20 @@ def export_entry(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity,
             payloads.append(_store(cache, tree, name, "module-global", [], hooks,
                                    metadata={"flare.graph_catalog": catalog}))
             ranks.append({"rank": rank, "payloads": [name]})
-        manifest = _manifest(spec, entry, identity, payloads,
-                             [{"name": deployment, "tensor_parallel": spec.tensor_parallel, "ranks": ranks}])
-        body = fmt.manifest_text(manifest)
-        primary = fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(), "directory")
-        fmt.write_primary(tree / fmt.PRIMARY_NAME, primary)
-        return cache.publish(tree, entry, select=select)
+        deployments = [{"name": deployment, "tensor_parallel": spec.tensor_parallel, "ranks": ranks}]
+
+        def sign_as(version: str) -> None:               # the version is part of the signed manifest
+            manifest = _manifest(spec, EntryId(model_key, version), identity, payloads, deployments)
+            write_signed_primary(tree, manifest, identity)
+
+        return cache.publish_new_version(tree, model_key, sign_as, select=select)
 
 
-def new_version(cache: ModelCache, model_key: str) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    version, suffix = stamp, 1
-    while cache.entry_path(EntryId(model_key, version)).exists():
-        suffix += 1
-        version = f"{stamp}-{suffix}"
-    return version
+def write_signed_primary(tree: Path, manifest: dict, identity: SigningIdentity) -> None:
+    body = fmt.manifest_text(manifest)
+    primary = fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(), "directory")
+    fmt.write_primary(tree / fmt.PRIMARY_NAME, primary)
+
 
 
 def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cached: bool,

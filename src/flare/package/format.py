@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,9 @@ KEY_MANIFEST = "flare.manifest"
 KEY_SIGNATURE = "flare.signature"
 KEY_PROFILE = "flare.publisher_profile"
 KEY_FORM = "flare.form"
+
+# Payload names are relative paths of plain segments: a manifest can never point outside its entry.
+_PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
 # Assets the tokenizer and chat template need at serving time, copied from the checkpoint.
 FRONTEND_ASSET_NAMES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
@@ -98,11 +102,18 @@ class PackageFiles:
     packed_locations: dict[str, PayloadLocation]
 
     def locate(self, name: str, recorded_size: int) -> PayloadLocation:
+        check_payload_name(name, self.primary_path)
         if self.form == "packed":
             if name not in self.packed_locations:
                 raise PreparationError(f"payload {name} is missing from packed package {self.primary_path}")
             return self.packed_locations[name]
         return PayloadLocation(self.primary_path.parent / name, 0, recorded_size)
+
+
+def check_payload_name(name: str, where: Path) -> None:
+    if not _PAYLOAD_NAME.fullmatch(name) or ".." in name.split("/") or name == PRIMARY_NAME:
+        raise PreparationError(f"{where} names a payload {name!r} that is not a plain relative path; "
+                               "the package is malformed and cannot be used")
 
 
 def write_primary(path: Path, primary: Primary) -> None:

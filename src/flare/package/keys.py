@@ -8,11 +8,10 @@ import shutil
 from pathlib import Path
 
 from flare.errors import UsageError
-from flare.package import format as fmt
-from flare.package.export import new_version
+from flare.package.export import write_signed_primary
 from flare.package.signing import (DEVELOPMENT_NAMESPACE, SigningIdentity, ask_passphrase, generate_private_key,
                                    load_private_key, private_key_pem, publishing_identity, write_owner_only)
-from flare.package.store import EntryId, ModelCache
+from flare.package.store import ModelCache
 
 PROFILE_NAME = "publisher.json"
 
@@ -82,13 +81,9 @@ def sign_package(target: str, config_path: Path | None = None, official_source: 
         raise UsageError(f"{package.label} is already signed by {old['publisher']['namespace']!r}; "
                          "only development packages are promoted")
     verify_payloads(package.files, old["payloads"])
-    manifest = dict(old)
-    entry = EntryId(old["model_key"], new_version(cache, old["model_key"]))
-    manifest.update(version=entry.version, repository=repo_id or old.get("repository"),
-                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    promoted_from={"version": old["version"], "key_fingerprint": old["publisher"]["key_fingerprint"]},
-                    publisher={"namespace": identity.namespace, "official_source": identity.official_source,
-                               "key_fingerprint": identity.public_key.fingerprint})
+    promoted_from = {"version": old["version"], "key_fingerprint": old["publisher"]["key_fingerprint"]}
+    publisher = {"namespace": identity.namespace, "official_source": identity.official_source,
+                 "key_fingerprint": identity.public_key.fingerprint}
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
@@ -103,10 +98,14 @@ def sign_package(target: str, config_path: Path | None = None, official_source: 
                 source.seek(location.offset)
                 shutil.copyfileobj(_Limited(source, record["size"]), sink)
             cache.store_payload(staged, record["sha256"])
-        body = fmt.manifest_text(manifest)
-        primary = fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(), "directory")
-        fmt.write_primary(tree / fmt.PRIMARY_NAME, primary)
-        return cache.publish(tree, entry)
+
+        def sign_as(version: str) -> None:
+            manifest = dict(old, version=version, repository=repo_id or old.get("repository"),
+                            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            promoted_from=promoted_from, publisher=publisher)
+            write_signed_primary(tree, manifest, identity)
+
+        return cache.publish_new_version(tree, old["model_key"], sign_as)
 
 
 class _Limited:

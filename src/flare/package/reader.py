@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from flare.package import verify
 from flare.package import weights as wt
 from flare.package.store import DEFAULT_CACHE_ROOT, ModelCache
 from flare.package.trust import TrustOptions, TrustResult, authorize, verify_signature
+
+
+_ASSET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")     # frontend assets are written by these names
 
 
 @dataclass
@@ -114,7 +118,7 @@ def open_package(target: str | Path, trust: TrustOptions | None = None, cache_ro
                                    trust, str(files.primary_path))
     result = authorize(manifest, key, source, trust, stream)
     verify.check_layout(files, manifest["payloads"])
-    frontend, catalogs = _read_small_payloads(files, manifest)
+    frontend, catalogs = read_small_payloads(files, manifest)
     if trust.verify_weights:
         verify.verify_payloads(files, [r for r in manifest["payloads"] if r["kind"] == "weights"], on_verify_bytes)
     return Package(path, files, manifest, result, frontend, catalogs)
@@ -127,7 +131,7 @@ def open_unverified(target: str | Path, cache_root: Path | None = None) -> Packa
     return Package(path, files, files.primary.manifest, None, {}, {})
 
 
-def _read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[str, bytes], dict[str, dict]]:
+def read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[str, bytes], dict[str, dict]]:
     """Frontend assets and graph catalogs, from bytes whose hashes were just checked."""
     frontend: dict[str, bytes] = {}
     catalogs: dict[str, dict] = {}
@@ -137,10 +141,17 @@ def _read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[
         data = verify.read_verified(files, record)
         tensors, metadata = _decode(data, record["name"])
         if record["kind"] == "frontend":
+            for asset in tensors:
+                if not _ASSET_NAME.fullmatch(asset):
+                    raise UsageError(f"{files.primary_path}: frontend asset {asset!r} is not a plain file name; "
+                                     "the package is malformed and cannot be used")
             frontend.update(tensors)
         else:
             catalogs[record["name"]] = json.loads(metadata.get("flare.graph_catalog", "{}"))
     return frontend, catalogs
+
+
+_read_small_payloads = read_small_payloads          # the name an earlier revision exported
 
 
 def _decode(data: bytes, name: str) -> tuple[dict[str, bytes], dict[str, str]]:

@@ -185,17 +185,28 @@ def development_identity(config_dir: Path) -> SigningIdentity:
     """Create on first use, then reuse, the development key and its public profile beside the config file."""
     config_dir = Path(config_dir).expanduser()
     key_path = config_dir / DEVELOPMENT_KEY_FILE
-    if key_path.exists():
-        key = load_private_key(key_path)
-    else:
-        key = generate_private_key()
-        write_owner_only(key_path, private_key_pem(key, None))
-    identity = SigningIdentity(key, DEVELOPMENT_NAMESPACE, DEVELOPMENT_SOURCE)
+    if not key_path.exists():
+        _create_atomically(key_path, private_key_pem(generate_private_key(), None))
+    identity = SigningIdentity(load_private_key(key_path), DEVELOPMENT_NAMESPACE, DEVELOPMENT_SOURCE)
     profile_path = config_dir / DEVELOPMENT_PROFILE_FILE
     profile_text = identity.profile.to_json()
     if not profile_path.exists() or profile_path.read_text() != profile_text:
-        profile_path.write_text(profile_text)
+        temporary = profile_path.with_name(f".{profile_path.name}.{os.getpid()}.{id(identity)}")
+        temporary.write_text(profile_text)
+        os.replace(temporary, profile_path)
     return identity
+
+
+def _create_atomically(path: Path, data: bytes) -> None:
+    """Create `path` complete or not at all; when another process created it first, keep theirs."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+    write_owner_only(temporary, data)
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
 
 
 def publishing_identity(publishing: dict | None, config_dir: Path,

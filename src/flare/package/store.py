@@ -18,6 +18,7 @@ its staging tree's lock the same way, so gc never reclaims a live export.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import os
@@ -26,7 +27,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from filelock import FileLock
 
@@ -149,16 +150,39 @@ class ModelCache:
         return self.blob_path(sha256).exists()
 
     def publish(self, staged_entry: Path, entry: EntryId, select: bool = True) -> Path:
-        """Rename a finished staging tree into models/ atomically, then select it as the default."""
-        destination = self.entry_path(entry)
-        destination.parent.mkdir(parents=True, exist_ok=True)
+        """Rename a finished staging tree into models/ as `entry` (a version signed elsewhere)."""
         with self.lock(f"model-{entry.model_key}"):
+            destination = self.entry_path(entry)
             if destination.exists():
-                raise UsageError(f"cache entry {entry} already exists at {destination}")
+                raise UsageError(f"{entry} is already in {self.root}")
+            destination.parent.mkdir(parents=True, exist_ok=True)
             os.rename(staged_entry, destination)
             if select:
                 self._write_ref(entry)
         return destination
+
+    def publish_new_version(self, staged_entry: Path, model_key: str, finish: Callable[[str], None],
+                            select: bool = True) -> Path:
+        """Choose a fresh version under the model's lock, let `finish(version)` write the signed primary,
+        rename the staging tree into models/ in one step, then select it as the model's default."""
+        with self.lock(f"model-{model_key}"):
+            entry = EntryId(model_key, self._fresh_version(model_key))
+            finish(entry.version)
+            destination = self.entry_path(entry)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(staged_entry, destination)
+            if select:
+                self._write_ref(entry)
+        return destination
+
+    def _fresh_version(self, model_key: str) -> str:
+        """A UTC timestamp, with a counter when several versions are published within one second."""
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        version, suffix = stamp, 1
+        while self.entry_path(EntryId(model_key, version)).exists():
+            suffix += 1
+            version = f"{stamp}-{suffix}"
+        return version
 
     # --- refs ---------------------------------------------------------------------------------
     def default_version(self, model_key: str) -> str | None:

@@ -85,7 +85,11 @@ def add_trust_arguments(parser, serving: bool = True) -> None:
 
 
 def trust_options_from_args(args, **overrides) -> TrustOptions:
-    values = dict(publisher_keys=tuple(getattr(args, "publisher_keys", None) or ()),
+    """TrustOptions from parsed flags; the online check uses the configured hub endpoint, if any."""
+    configuration = getattr(args, "configuration", None)
+    endpoint = getattr(getattr(configuration, "hub", None), "endpoint", None)
+    values = dict(publisher_endpoint=endpoint if endpoint and endpoint.rstrip("/") != HUGGING_FACE else None,
+                  publisher_keys=tuple(getattr(args, "publisher_keys", None) or ()),
                   approve_key=getattr(args, "dangerously_approve_key", None),
                   accept_publisher=getattr(args, "dangerously_accept_publisher", None),
                   trust_store=getattr(args, "trust_store", None),
@@ -237,6 +241,10 @@ def authorize(manifest: dict, key: PublicKey, key_source: str, options: TrustOpt
         return TrustResult(fingerprint, namespace, key_source, identity, remembered is not None)
     identity = check_online(manifest, options)
     if remembered is not None:
+        if identity == "verified" and remembered.get("identity") != "verified":
+            store.remember(key, namespace, identity, remembered.get("license"))
+        elif identity != "verified" and remembered.get("identity") == "verified":
+            identity = "verified on an earlier load"
         return TrustResult(fingerprint, namespace, key_source, identity, True)
     license_text = _license_line(manifest)
     if options.approve_key is not None:

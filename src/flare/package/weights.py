@@ -16,17 +16,42 @@ from typing import Iterator
 from flare.errors import PreparationError
 from flare.package import safetensors_io as st
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"^(.*?)(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+# Prefixes under which a checkpoint keeps its language model's decoder layers.
+_DECODER_PREFIXES = ("", "model", "model.language_model", "language_model.model", "transformer", "model.decoder")
 _TORCH_TO_CODE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
                   "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
                   "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _CODE_TO_TORCH = {code: name for name, code in _TORCH_TO_CODE.items()}
 
 
+CAST_DTYPES = ("float16", "bfloat16", "float32", "float64")     # cast to the serving dtype at export
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def serving_bytes(files: dict[str, Path], dtype: str) -> int:
+    """Bytes the checkpoint's tensors occupy once floating-point ones are cast to `dtype` (headers only)."""
+    total = 0
+    for path in sorted(set(files.values())):
+        with open(path, "rb") as handle:
+            for entry in st.read_header(handle, what=str(path)).tensors:
+                if entry.name not in files:
+                    continue
+                count = (entry.end - entry.start) // st.DTYPE_SIZES[entry.dtype]
+                cast = entry.dtype in ("F16", "BF16", "F32", "F64")
+                total += count * (DTYPE_BYTES[dtype] if cast else st.DTYPE_SIZES[entry.dtype])
+    return total
+
+
 def payload_for(tensor_name: str) -> str:
-    match = _LAYER.search(tensor_name)
+    """The payload holding a tensor: one per decoder layer; other stacks (a vision tower, MTP layers)
+    get their own layer payloads named by their prefix, so they never mix with the decoder's."""
+    match = _LAYER.match(tensor_name)
     if match:
-        return f"weights/layer-{int(match.group(1)):03d}.safetensors"
+        prefix, index = match.group(1), int(match.group(2))
+        if prefix in _DECODER_PREFIXES:
+            return f"weights/layer-{index:03d}.safetensors"
+        return f"weights/{prefix.replace('.', '-').replace('_', '-')}-layer-{index:03d}.safetensors"
     if "embed_tokens" in tensor_name or "wte" in tensor_name:
         return "weights/embed.safetensors"
     return "weights/head.safetensors"
@@ -61,7 +86,7 @@ def group_by_payload(names) -> dict[str, list[str]]:
 
 
 def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str) -> list[st.TensorBytes]:
-    """Read one payload's tensors from the checkpoint, floating-point ones cast to the serving dtype."""
+    """Read one payload's tensors from the checkpoint, 16/32/64-bit floats cast to the serving dtype."""
     import torch
     from safetensors import safe_open
     target = getattr(torch, dtype)
@@ -73,8 +98,8 @@ def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str) 
         with safe_open(str(path), framework="pt") as handle:
             for name in file_names:
                 tensor = handle.get_tensor(name)
-                if tensor.is_floating_point() and tensor.dtype != target:
-                    tensor = tensor.to(target)
+                if str(tensor.dtype).removeprefix("torch.") in CAST_DTYPES and tensor.dtype != target:
+                    tensor = tensor.to(target)      # quantized (float8) and integer tensors keep their bytes
                 tensors[name] = tensor
     return [tensor_bytes(name, tensors[name]) for name in names]
 

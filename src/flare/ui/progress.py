@@ -53,7 +53,8 @@ class PhaseProgress:
         self.verbose = verbose
         self.styled = _is_terminal(self.stream) if styled is None else styled
         self.records: list[PhaseRecord] = []
-        self._status = None
+        self._bar = None
+        self._task = None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[Phase]:
@@ -81,33 +82,42 @@ class PhaseProgress:
         print(text, file=self.stream, flush=True)
 
     def detail(self, text: str) -> None:
-        if self.verbose:
+        if not self.verbose:
+            return
+        if self._bar is not None:                   # print above the live bar, not through it
+            from rich.text import Text
+            self._bar.console.print(Text(f"    {text}"))
+        else:
             self.line(f"    {text}")
 
     def activity(self, text: str) -> None:
-        if self._status is not None:
-            self._status.update(text)
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+    def _console(self):
+        from rich.console import Console
+        return Console(file=self.stream, force_terminal=True, highlight=False)
 
     def _start(self, name: str) -> None:
         if self.styled:
-            from rich.console import Console
-            console = Console(file=self.stream, stderr=self.stream is sys.stderr)
-            self._status = console.status(f"{name}.", spinner="line")
-            self._status.start()
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=10, pulse_style="cyan"),
+                                 TimeElapsedColumn(), console=self._console(), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(f"{name}.", total=None)     # no total: an activity bar
         else:
             self.line(f"{name}. ...")
 
     def _finish(self, record: PhaseRecord) -> None:
-        if self._status is not None:
-            self._status.stop()
-            self._status = None
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
         mark = {"ok": "[ OK ]", "skipped": "[SKIP]", "failed": "[FAILED]"}[record.status]
         text = f"{record.name}. {mark} {record.detail}".rstrip() + f" ({record.elapsed_s:.2f}s)"
         if self.styled:
-            from rich.console import Console
             from rich.text import Text
             colour = {"ok": "cyan", "skipped": "grey50", "failed": "red"}[record.status]
-            Console(file=self.stream, highlight=False).print(Text(text, style=colour))
+            self._console().print(Text(text, style=colour))
         else:
             self.line(text)
 

@@ -53,4 +53,5 @@ def _resolve(args):
     from flare.resolve import fetch, resolve_model
     resolved = resolve_model(args.model, args.configuration)
     directory = Path(fetch(resolved))
-    return CheckpointSource(directory, resolved.repo_id, resolved.revision), RecipeFacts.from_resolved(resolved)
+    source = CheckpointSource(directory, resolved.repo_id, resolved.revision, resolved.describe())
+    return source, RecipeFacts.from_resolved(resolved)

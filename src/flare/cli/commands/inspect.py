@@ -54,7 +54,8 @@ def run(args) -> int:
     if args.json:
         print(to_json(report))
     else:
-        render(sections(report), sys.stdout, plain=args.plain)
+        names = report["model"]["served_names"] or [report["model"]["model_id"]]
+        render(sections(report), sys.stdout, plain=args.plain, banner_name=names[0])
     return 0
 
 

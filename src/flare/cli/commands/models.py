@@ -20,6 +20,8 @@ def configure(parser):
     _output_flags(listing)
     from flare.cli.commands import inspect as inspect_command
     inspect_command.configure(add("inspect", "describe a cached package (same flags as `flare inspect`)"))
+    from flare.cli.commands import download as download_command
+    download_command.configure(add("download", "download a prepared package (same as `flare download`)"))
     select = add("select", "make MODEL@VERSION the model's default")
     select.add_argument("entry", metavar="MODEL@VERSION")
     remove = add("remove", "remove a cached version")
@@ -43,6 +45,9 @@ def _output_flags(parser):
 def run(args) -> int:
     from flare.cli.commands.inspect import model_cache_root
     explicit = getattr(args, "model_cache", None) or args.global_model_cache
+    if args.models_command == "download":
+        from flare.cli.commands import download as download_command
+        return download_command.run(args)
     if args.models_command == "inspect":
         from flare.cli.commands import inspect as inspect_command
         args.model_cache = explicit

@@ -1,0 +1,65 @@
+"""Install a package from outside the cache (a downloaded packed file or directory) as a cache entry.
+
+The entry keeps the package's signed version and exact primary; every payload is hashed while it is
+copied into staging and then shares its blob with any entry that already holds the same bytes.
+Installing a version the cache already has returns the existing entry when its signed body matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from flare.errors import PreparationError
+from flare.package import format as fmt
+from flare.package.store import EntryId, ModelCache
+from flare.package.trust import TrustOptions, verify_signature
+from flare.package.verify import IntegrityError, check_layout
+
+
+def install_package(source: Path, cache: ModelCache, trust: TrustOptions | None = None,
+                    select: bool = True) -> Path:
+    """Verify `source` (signature and every payload hash) and publish it in `cache`; return the entry."""
+    files = fmt.read_package_files(Path(source))
+    manifest = files.primary.manifest
+    verify_signature(files.primary.manifest_body, files.primary.signature, manifest, files.primary.profile_json,
+                     trust or TrustOptions(require_acceptance=False), str(files.primary_path))
+    check_layout(files, manifest["payloads"])
+    entry = EntryId(manifest["model_key"], manifest["version"])
+    existing = cache.entry_path(entry)
+    if existing.is_dir():
+        if fmt.read_package_files(existing).primary.manifest_body != files.primary.manifest_body:
+            raise PreparationError(f"the cache already holds a different {entry}; remove it with "
+                                   "`flare models remove` before installing this one")
+        if select:
+            cache.select(entry)
+        return existing
+    with cache.staging_tree() as staging:
+        tree = staging / "entry"
+        tree.mkdir()
+        for record in manifest["payloads"]:
+            staged = tree / record["name"]
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            if cache.has_blob(record["sha256"]):
+                cache.link_blob(record["sha256"], staged)
+                continue
+            _copy_checked(files, record, staged)
+            cache.store_payload(staged, record["sha256"])
+        fmt.write_primary(tree / fmt.PRIMARY_NAME, files.primary)
+        return cache.publish(tree, entry, select=select)
+
+
+def _copy_checked(files: fmt.PackageFiles, record: dict, target: Path) -> None:
+    location = files.locate(record["name"], record["size"])
+    digest, remaining = hashlib.sha256(), record["size"]
+    with open(location.path, "rb") as source, open(target, "wb") as sink:
+        source.seek(location.offset)
+        while remaining:
+            chunk = source.read(min(remaining, 8 * 1024 * 1024))
+            if not chunk:
+                break
+            digest.update(chunk)
+            sink.write(chunk)
+            remaining -= len(chunk)
+    if remaining or digest.hexdigest() != record["sha256"]:
+        raise IntegrityError(f"payload {record['name']} differs from the signed manifest; nothing was installed")
