@@ -219,8 +219,8 @@ def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, 
         v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        positions = torch.arange(length - (end - start), length)
-        visible = torch.arange(length)[None, :] <= positions[:, None]     # [Q, L]
+        positions = torch.arange(length - (end - start), length, device=q.device)
+        visible = torch.arange(length, device=q.device)[None, :] <= positions[:, None]     # [Q, L]
         scores = torch.einsum("qhd,lhd->hql", q[start:end].float(), k) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
