@@ -11,6 +11,7 @@ from paged_batch import TOLERANCE, tolerance, make_paged_batch, relative_error
 CASES = [
     ([1, 16, 17, 45], 4, 4, 64),        # GQA ratio 1
     ([33, 5, 64], 8, 2, 128),           # GQA ratio 4
+    ([20], 2, 1, 96),                   # head_dim below its power-of-two tile
 ]
 
 

@@ -11,6 +11,7 @@ from paged_batch import TOLERANCE, tolerance, make_paged_batch, relative_error
 CASES = [
     ([(0, 5), (16, 17), (30, 1), (3, 20)], 4, 4, 64),    # fresh prompt, page-aligned prefix, decode row, ragged
     ([(0, 33), (40, 7)], 8, 2, 128),                     # GQA ratio 4, chunk crossing two pages
+    ([(18, 20)], 2, 1, 96),                              # head_dim below its power-of-two tile
 ]
 
 
