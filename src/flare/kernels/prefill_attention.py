@@ -160,9 +160,11 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     if num_tokens == 0 or batch == 0:
         return out
     on_cpu = q.device.type == "cpu"                               # small tiles keep the interpreter fast
+    # GPU tiles: the best of a sweep on an H200 (benchmarks/results/prefill_sweep.json), 128 x 128 with
+    # 8 warps and 3 stages, for chunks of 512 to 8192 tokens with and without a cached prefix.
     block_m = block_m or (16 if on_cpu else 128)
-    block_n = block_n or (16 if on_cpu else 64)
-    launch = {} if on_cpu else {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
+    block_n = block_n or (16 if on_cpu else 128)
+    launch = {} if on_cpu else {"num_warps": num_warps or 8, "num_stages": num_stages or 3}
     grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
