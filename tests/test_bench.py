@@ -163,3 +163,14 @@ def test_model_decode_step_continues_its_prefilled_context(tmp_path):
         hidden = model(tokens.flatten(), meta.positions(), caches, meta)
         expected = model.compute_logits(hidden[[20, 41]]).argmax(dim=-1)
     assert torch.equal(first, expected)
+
+
+def test_bench_without_a_gpu_is_a_usage_error(capsys):
+    import torch
+
+    from flare.cli.ignition import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "--batches", "1", "--contexts", "128"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
