@@ -11,12 +11,33 @@ SHARED = REPO_ROOT.parent / "shared"
 STORIES260K = SHARED / "fixtures" / "stories260k"
 
 
+def pytest_configure(config):
+    """One PyTorch thread per test process: the suite runs one worker per core, and tiny models on many
+    threads spend most of their time synchronising (about ten times the CPU on two busy cores)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path_factory, monkeypatch) -> Path:
     """Point the home directory at a fresh folder so no test reads or writes the user's config or caches."""
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     return home
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Commands run in-process set library variables from the configuration; undo that after each test."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None       # None: no logprobs; k >= 0: sampled token's logprob plus top-k
+    logprobs: int | None = None       # None: no logprobs; k >= 0: sampled token's logprob plus top-k,
+                                      # of the raw model distribution (before penalties, bias, temperature)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
@@ -46,6 +47,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {value}")
+        if any(not isinstance(stop, str) or not stop for stop in self.stop):
+            raise InvalidSamplingParams(f"stop strings must be non-empty text, got {list(self.stop)}")
+        if any(token_id < 0 for token_id in self.stop_token_ids):
+            raise InvalidSamplingParams(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:

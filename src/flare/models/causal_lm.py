@@ -89,7 +89,7 @@ def parameter_for(checkpoint_name: str) -> tuple[str, str | None]:
 def checkpoint_names(param_name: str, param: nn.Parameter) -> list[str]:
     """The checkpoint tensors that together fill one of our parameters."""
     parts = param_name.split(".")
-    shards = [shard for shard in getattr(param, "shards", {None: None}) if shard is not None]
+    shards = [shard for shard in param.shards if shard is not None]
     if not shards:
         return [param_name]
     by_shard = {shard: proj for proj, (fused, shard) in FUSED_PROJECTIONS.items() if fused == parts[-2]}

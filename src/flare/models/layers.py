@@ -2,7 +2,7 @@
 
 Parameters are created with `torch.empty` (no random initialisation): every value comes from the
 checkpoint. A parameter's `weight_loader(param, tensor, shard, name)` copies one checkpoint tensor
-into it (a shard of a fused parameter, or the whole of a plain one) after checking its shape.
+into it: one shard of a fused parameter (q/k/v, gate/up), or the whole of a plain one (shard `None`).
 """
 
 from __future__ import annotations
@@ -14,31 +14,32 @@ from torch import nn
 from flare.models.errors import WeightError
 
 
-def _parameter(*shape: int, loader=None) -> nn.Parameter:
+def _parameter(*shape: int, shard_sizes: dict | None = None) -> nn.Parameter:
+    """An uninitialised parameter whose rows are filled by the named shards (one shard `None` when unfused)."""
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    param.weight_loader = loader or load_whole
-    param.shards = {None: (0, shape[0])}
+    param.shards = _shard_offsets(shard_sizes or {None: shape[0]})
+    param.weight_loader = load_rows
     return param
 
 
-def load_whole(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> None:
-    _check_shape(name, tensor, tuple(param.shape))
-    param.data.copy_(tensor)
+def _shard_offsets(shard_sizes: dict) -> dict:
+    offsets, start = {}, 0
+    for shard, size in shard_sizes.items():
+        offsets[shard] = (start, size)
+        start += size
+    return offsets
 
 
-def load_shard(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> None:
-    """Copy a checkpoint tensor into rows `param.shards[shard]` of a fused parameter."""
+def load_rows(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> None:
+    """Copy checkpoint tensor `name` into the rows `param.shards[shard]`, after checking its shape."""
     start, size = param.shards[shard]
-    _check_shape(name, tensor, (size, *param.shape[1:]))
-    param.data[start : start + size].copy_(tensor)
-
-
-def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    expected = (size, *param.shape[1:])
     if tuple(tensor.shape) != expected:
         raise WeightError(
             f"checkpoint tensor {name} has shape {list(tensor.shape)} but the model expects {list(expected)}; "
             "the checkpoint does not match its config.json"
         )
+    param.data[start : start + size].copy_(tensor)
 
 
 class RMSNorm(nn.Module):
@@ -56,29 +57,16 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """`y = x W^T (+ b)`; fused variants declare their shards, named as the checkpoint's separate tensors."""
+    """`y = x W^T (+ b)`; a fused one names its shards after the checkpoint's separate projections."""
 
     def __init__(self, in_features: int, shard_sizes: dict, bias: bool = False) -> None:
         super().__init__()
         out_features = sum(shard_sizes.values())
-        fused = list(shard_sizes) != [None]
-        loader = load_shard if fused else load_whole
-        self.weight = _parameter(out_features, in_features, loader=loader)
-        self.bias = _parameter(out_features, loader=loader) if bias else None
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.shards = _shard_offsets(shard_sizes)
+        self.weight = _parameter(out_features, in_features, shard_sizes=shard_sizes)
+        self.bias = _parameter(out_features, shard_sizes=shard_sizes) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-def _shard_offsets(shard_sizes: dict) -> dict:
-    offsets, start = {}, 0
-    for shard, size in shard_sizes.items():
-        offsets[shard] = (start, size)
-        start += size
-    return offsets
 
 
 def plain_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
@@ -131,10 +119,10 @@ class LMHead(nn.Module):
 
     def untie(self, tensor: torch.Tensor, name: str) -> None:
         """Give the head its own matrix, as transformers does when a tied checkpoint still ships a different one."""
-        embedding = self.tied_to.pop()
-        self.weight = _parameter(*embedding.weight.shape)
-        self.weight.data = self.weight.data.to(device=embedding.weight.device, dtype=embedding.weight.dtype)
-        load_whole(self.weight, tensor, None, name)
+        embedding = self.tied_to.pop().weight
+        self.weight = _parameter(*embedding.shape)
+        self.weight.data = torch.empty_like(embedding)
+        load_rows(self.weight, tensor, None, name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.matrix).float()

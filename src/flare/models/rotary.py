@@ -89,7 +89,7 @@ def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoids dividing by zero
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation = 1 - ramp
     return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation

@@ -1,11 +1,24 @@
-"""Placeholder: this command is not implemented yet."""
+"""`ignition convert CACHE_ENTRY`: write a standalone packed file or directory of a package."""
 
-from flare.errors import UsageError
+from __future__ import annotations
+
+from pathlib import Path
 
 
 def configure(parser):
-    pass
+    parser.add_argument("package", metavar="CACHE_ENTRY", help="the entry path printed by `ignition export`, "
+                        "or a packed package file")
+    parser.add_argument("--form", choices=("packed", "directory"), default="directory",
+                        help="packed: one file; directory: a primary plus payload files (default)")
+    parser.add_argument("--output", type=Path, required=True, metavar="PATH",
+                        help="destination; must not exist")
+    parser.add_argument("--publisher-keys", action="append", type=Path, default=[], metavar="PATH",
+                        help="public publisher profile verifying a production package's signature")
 
 
-def run(args):
-    raise UsageError("this command is not implemented yet")
+def run(args) -> int:
+    from flare.package.convert import convert
+    from flare.package.trust import TrustOptions
+    trust = TrustOptions(publisher_keys=tuple(args.publisher_keys), require_acceptance=False)
+    print(convert(Path(args.package), args.output, args.form, trust))
+    return 0

@@ -1,11 +1,56 @@
-"""Placeholder: this command is not implemented yet."""
+"""`ignition export [MODEL]`: prepare a model and publish it in the shared model cache."""
 
-from flare.errors import UsageError
+from __future__ import annotations
+
+from pathlib import Path
 
 
 def configure(parser):
-    pass
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="recipe alias, Hugging Face repository id (org/name[@revision]) or checkpoint "
+                             "directory (default: defaults.model)")
+    parser.add_argument("--gpus", metavar="LIST", help="GPU indices: 0, 0,1 or 0-3 (default: first GPUs that fit)")
+    parser.add_argument("--max-concurrency", type=int, metavar="N", help="maximum simultaneously active requests")
+    parser.add_argument("--prefill-chunk-size", type=int, metavar="N",
+                        help="most prompt tokens in one prefill step, a multiple of 64 (default: the recipe's)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--no-weights", action="store_true",
+                         help="export only when exact weight payloads are already cached")
+    weights.add_argument("--reuse-weights", action="store_true",
+                         help="reuse the cached default version's weight payloads without reading weights")
+    parser.add_argument("--publisher-key", action="append", type=Path, default=[], metavar="PATH",
+                        help="public publisher profile authenticating the cached weight source")
+    parser.add_argument("--repo-id", metavar="NAMESPACE/REPOSITORY",
+                        help="Hugging Face target recorded for the exported entry (default: the recipe's)")
+    parser.add_argument("--official-source", metavar="URL",
+                        help="published repository URL under the configured publisher namespace")
+    parser.add_argument("--config", type=Path, metavar="PATH",
+                        help="configuration file (default ~/.config/flare/config.toml)")
+    parser.add_argument("--verbose", action="store_true", help="per-phase detail on stderr")
 
 
-def run(args):
-    raise UsageError("this command is not implemented yet")
+def run(args) -> int:
+    from flare.prepare import ExportOptions, export_model
+    from flare.ui.progress import PhaseProgress
+
+    if args.repo_id is not None and args.repo_id.count("/") != 1:
+        from flare.errors import UsageError
+        raise UsageError(f"--repo-id {args.repo_id} is not NAMESPACE/REPOSITORY")
+    source, recipe = _resolve(args)
+    options = ExportOptions(
+        max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk_size, gpus=args.gpus,
+        weight_mode="no-weights" if args.no_weights else "reuse-weights" if args.reuse_weights else "normal",
+        repo_id=args.repo_id, official_source=args.official_source, publisher_keys=tuple(args.publisher_key),
+        config_path=args.config)
+    entry = export_model(source, recipe, options, PhaseProgress(verbose=args.verbose))
+    print(entry)
+    return 0
+
+
+def _resolve(args):
+    """MODEL (or defaults.model) to a complete local checkpoint and the facts of its recipe."""
+    from flare.prepare import CheckpointSource, RecipeFacts
+    from flare.resolve import fetch, resolve_model
+    resolved = resolve_model(args.model, args.configuration)
+    directory = Path(fetch(resolved))
+    return CheckpointSource(directory, resolved.repo_id, resolved.revision), RecipeFacts.from_resolved(resolved)

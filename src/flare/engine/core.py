@@ -1,0 +1,145 @@
+"""EngineCore: requests in, token ids out. Scheduler + page allocator + model runner, one step at a time.
+
+The core speaks token ids only; text, stop strings and streaming live in the frontend
+(`flare.frontend.output_processor`). The same core runs in-process (`LLMEngine`) and in its own
+process (`flare.engine.core_process`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from flare.engine.config import EngineConfig
+from flare.engine.kv_cache import KVCacheIntegrityError, PageAllocator
+from flare.engine.outputs import CoreOutput
+from flare.engine.request import EngineRequest, Request, check_stop
+from flare.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot take as given; the message says what to change."""
+
+
+class Runner(Protocol):
+    vocab_size: int
+
+    def execute(self, scheduled: SchedulerOutput, allocator: PageAllocator) -> RunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.runner = runner
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.allocator = PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.allocator)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._num_preemptions = 0
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        self._validate(engine_request)
+        request = Request(engine_request, next(self._arrivals))
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop requests (unknown or finished ids are ignored) and free their pages at once."""
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                request.finish_reason = "abort"
+                self.scheduler.finish(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[CoreOutput]:
+        """Schedule, run the model once and return the news of every request that got a token."""
+        if not self.scheduler.has_unfinished():
+            return []
+        scheduled = self.scheduler.schedule()
+        self._num_preemptions += len(scheduled.preempted_ids)
+        if not scheduled.chunks:
+            return []
+        return self._update(scheduled, self.runner.execute(scheduled, self.allocator))
+
+    def check_integrity(self) -> None:
+        """Raise KVCacheIntegrityError if a page is leaked or double-owned; also check the request lists."""
+        self.allocator.check_integrity()
+        queued = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+        if queued != set(self.requests):
+            raise KVCacheIntegrityError(f"scheduler holds {sorted(queued)} but the core tracks {sorted(self.requests)}")
+        for request in self.scheduler.running:
+            held = len(self.allocator.page_table(request.request_id))
+            if held < self.allocator.pages_for(request.num_computed_tokens):
+                raise KVCacheIntegrityError(
+                    f"request {request.request_id!r} computed {request.num_computed_tokens} tokens but holds {held} pages")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.allocator.num_used_pages, self.allocator.num_pages, self._num_preemptions)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _validate(self, engine_request: EngineRequest) -> None:
+        if engine_request.request_id in self.requests:
+            raise InvalidRequest(f"request id {engine_request.request_id!r} is already in use")
+        validate_prompt(engine_request.prompt_token_ids, self.config.max_model_len, self.runner.vocab_size)
+
+    def _update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[CoreOutput]:
+        outputs = []
+        for chunk in scheduled.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.allocator.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if request.request_id in result.prompt_logprobs:
+                request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
+            if chunk.completes:
+                outputs.append(self._append_token(request, result))
+        return outputs
+
+    def _append_token(self, request: Request, result: RunnerOutput) -> CoreOutput:
+        request.append_output_token(result.sampled[request.request_id])
+        finished = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+        logprob = result.logprobs.get(request.request_id)
+        first = request.num_output_tokens == 1
+        output = CoreOutput(
+            request_id=request.request_id,
+            new_token_ids=(request.output_token_ids[-1],),
+            new_logprobs=(logprob,) if logprob is not None else (),
+            finish_reason=request.finish_reason,
+            stop_token_id=request.stop_token_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=tuple(request.prompt_logprobs) if first and request.prompt_logprobs is not None else None,
+        )
+        if finished:
+            del self.requests[request.request_id]
+            self.scheduler.finish(request)
+        return output
+
+
+def validate_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequest for a prompt the engine cannot serve (empty, too long, unknown ids)."""
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt is empty; send at least one token")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_token_ids)} tokens, but this model serves at most {max_model_len} "
+            "tokens of prompt and output together; shorten the prompt")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")

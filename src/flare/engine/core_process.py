@@ -1,0 +1,94 @@
+"""The engine core in its own process, behind two ZMQ sockets carrying pickled tuples.
+
+Frontend -> core (PUSH/PULL): ("add", EngineRequest), ("abort", [ids]), ("shutdown",).
+Core -> frontend (PUSH/PULL): ("ready", ReadyInfo), ("outputs", [CoreOutput], EngineStats),
+("error", request_id, text), ("fatal", text). The core builds its model from a picklable ModelFactory after it starts, then loops:
+take every waiting command, run one step if any request is unfinished, send what the step produced.
+Only local, trusted peers speak on these sockets (ipc paths in a private temporary directory).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+
+from flare.engine.config import EngineConfig
+from flare.engine.core import EngineStats
+
+IDLE_POLL_MS = 1000     # an idle core wakes this often to check that its parent is still alive
+
+
+@dataclass(frozen=True)
+class ReadyInfo:
+    engine_config: EngineConfig
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    stats: EngineStats
+
+
+def run_engine_core(factory, seed: int | None, command_address: str, output_address: str) -> None:
+    """Entry point of the engine-core process (multiprocessing, spawn)."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the frontend decides when to stop
+    parent = os.getppid()
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.connect(command_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.connect(output_address)
+    try:
+        core = _build(factory, seed)
+        outputs.send(pickle.dumps(("ready", ReadyInfo(core.config, core.runner.vocab_size,
+                                                      tuple(sorted(core.eos_token_ids)), core.stats()))))
+        _serve(core, commands, outputs, parent)
+    except Exception:
+        outputs.send(pickle.dumps(("fatal", traceback.format_exc())))
+    finally:
+        commands.close(linger=0)
+        outputs.close()
+        context.term()
+
+
+def _build(factory, seed):
+    from flare.engine.factory import build_core
+
+    return build_core(factory(), seed)
+
+
+def _serve(core, commands, outputs, parent: int) -> None:
+    while os.getppid() == parent:                    # else the frontend died without saying goodbye
+        timeout = 0 if core.has_unfinished() else IDLE_POLL_MS
+        changed = False
+        while commands.poll(timeout):
+            message = pickle.loads(commands.recv())
+            if message[0] == "shutdown":
+                return
+            error = _handle(core, message)
+            if error is not None:
+                outputs.send(pickle.dumps(error))
+            changed, timeout = True, 0
+        produced = core.step() if core.has_unfinished() else []
+        if produced or changed:
+            outputs.send(pickle.dumps(("outputs", produced, core.stats())))
+
+
+def _handle(core, message: tuple) -> tuple | None:
+    """Apply one command; a request the core refuses comes back as ("error", request_id, message)."""
+    from flare.engine.core import InvalidRequest
+
+    kind, payload = message
+    if kind == "add":
+        try:
+            core.add_request(payload)
+        except InvalidRequest as error:
+            return ("error", payload.request_id, str(error))
+    elif kind == "abort":
+        core.abort(payload)
+    else:
+        raise ValueError(f"unknown engine-core command {kind!r}")
+    return None

@@ -1,0 +1,81 @@
+"""Model factories: picklable recipes for building the model inside the engine-core process.
+
+A factory is a top-level function plus arguments that returns a `LoadedModel`. The engine-core
+process calls it after it starts, so the weights are read there, not pickled across. A checkpoint
+directory loads through `load_checkpoint_model`; a package supplies its own factory in the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flare.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model_config: Any                   # flare.models.ModelConfig
+    model: Any                          # flare.models CausalLM, weights loaded
+    eos_token_ids: tuple[int, ...]
+    engine_config: EngineConfig
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """A top-level function and its (picklable) arguments; calling it builds a LoadedModel."""
+
+    function: Callable[..., LoadedModel]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __call__(self) -> LoadedModel:
+        return self.function(*self.args, **self.kwargs)
+
+
+def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | None = None,
+                          device: str = "cpu", dtype: str = "float32",
+                          extra_eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
+    """Load a Hugging Face checkpoint directory with the pure-PyTorch attention backend.
+
+    EOS ids: config.json's, generation_config.json's, then `extra_eos_token_ids` (the tokenizer's).
+    """
+    import torch
+
+    from flare.engine.attention import TorchReferenceBackend
+    from flare.frontend.tokenizer import eos_token_ids_of
+    from flare.models import load_checkpoint
+
+    directory = Path(directory)
+    model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, TorchReferenceBackend())
+    eos = list(model_config.eos_token_ids)
+    for token_id in [*eos_token_ids_of(directory, None), *extra_eos_token_ids]:
+        if token_id not in eos:
+            eos.append(token_id)
+    if engine_config is None:
+        engine_config = default_engine_config(model_config.max_position_embeddings)
+    return LoadedModel(model_config, model, tuple(eos), engine_config, device, dtype)
+
+
+def default_engine_config(max_position_embeddings: int) -> EngineConfig:
+    """A modest configuration for tests and local runs: 8 requests of up to 2048 tokens each."""
+    max_model_len = min(max_position_embeddings, 2048)
+    page_size = 16
+    return EngineConfig(max_concurrency=8, page_size=page_size, num_pages=8 * -(-max_model_len // page_size),
+                        prefill_chunk=512, max_num_batched_tokens=2048, max_model_len=max_model_len)
+
+
+def build_core(loaded: LoadedModel, seed: int | None = None):
+    """The EngineCore that runs `loaded`."""
+    import torch
+
+    from flare.engine.core import EngineCore
+    from flare.engine.runner import ModelRunner
+
+    runner = ModelRunner(loaded.model, loaded.model_config, loaded.engine_config, loaded.device,
+                         getattr(torch, loaded.dtype), seed)
+    return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids)

@@ -1,0 +1,182 @@
+"""KV page allocator: owns the pages, their reference counts, the free list and the prefix cache.
+
+The scheduler only asks yes/no questions (`can_allocate`) and hands over request ids; it never sees a
+reference count. A page is in exactly one of three places:
+
+* the free list (refcount 0, no content hash),
+* the evictable LRU (refcount 0, holds a full page of cached content that a later request may reuse),
+* one or more page tables (refcount = the number of requests using it).
+
+Prefix cache: every full page of computed tokens gets a content hash chained over all pages before
+it, so equal hashes mean equal prefixes. A new request pins the cached pages of its longest cached
+prefix (`match_prefix`); unreferenced cached pages are evicted least recently used first when free
+pages run out. Hashes are Python's `hash` of (previous hash, page tokens): deterministic for ints and
+tuples, and private to the engine-core process, so nothing persists or crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+
+
+class KVCacheIntegrityError(RuntimeError):
+    """A page is leaked, double-owned, or its bookkeeping disagrees with itself (an engine bug)."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcounts = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()   # least recently used first
+        self._page_tables: dict[str, list[int]] = {}
+        self._hash_chains: dict[str, list[int]] = {}               # request -> hashes of its full pages
+        self._page_of_hash: dict[int, int] = {}
+        self._hash_of_page: dict[int, int] = {}
+
+    # ---- questions -------------------------------------------------------------------------------
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a request could get now: free ones plus cached ones nobody uses."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Whether `request_id`'s pages can grow to hold `num_tokens` tokens in total."""
+        return self._pages_missing(request_id, num_tokens) <= self.num_free_pages
+
+    def page_table(self, request_id: str) -> list[int]:
+        """The request's pages in token order (read-only for callers)."""
+        return self._page_tables.get(request_id, [])
+
+    # ---- changes ---------------------------------------------------------------------------------
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> int:
+        """Start `request_id`'s page table with the cached pages of its longest cached prefix.
+
+        Matches whole pages only, at most `max_tokens` tokens (the caller keeps at least one token to
+        compute, since sampling needs its logits). Returns the number of tokens the pinned pages hold.
+        """
+        if request_id in self._page_tables:
+            raise KVCacheIntegrityError(f"request {request_id!r} already holds pages")
+        table: list[int] = []
+        chain: list[int] = []
+        if self.enable_prefix_caching:
+            for index in range(max_tokens // self.page_size):
+                page_hash = self._hash_page(chain, token_ids, index)
+                page = self._page_of_hash.get(page_hash)
+                if page is None:
+                    break
+                self._pin(page)
+                table.append(page)
+                chain.append(page_hash)
+        self._page_tables[request_id] = table
+        self._hash_chains[request_id] = chain
+        return len(table) * self.page_size
+
+    def allocate(self, request_id: str, num_tokens: int) -> None:
+        """Grow `request_id`'s pages to hold `num_tokens` tokens. Ask `can_allocate` first."""
+        missing = self._pages_missing(request_id, num_tokens)
+        if missing > self.num_free_pages:
+            raise KVCacheIntegrityError(
+                f"request {request_id!r} needs {missing} more pages, only {self.num_free_pages} are free")
+        table = self._page_tables.setdefault(request_id, [])
+        self._hash_chains.setdefault(request_id, [])
+        for _ in range(missing):
+            table.append(self._take_page())
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Record the content of every page now full of computed tokens, so later requests can share it."""
+        if not self.enable_prefix_caching:
+            return
+        chain = self._hash_chains[request_id]
+        table = self._page_tables[request_id]
+        for index in range(len(chain), num_computed_tokens // self.page_size):
+            page_hash = self._hash_page(chain, token_ids, index)
+            chain.append(page_hash)
+            page = table[index]
+            # Two requests may compute the same content at once; the first one's page is the cached one.
+            if page_hash not in self._page_of_hash and page not in self._hash_of_page:
+                self._page_of_hash[page_hash] = page
+                self._hash_of_page[page] = page_hash
+
+    def free(self, request_id: str) -> None:
+        """Release every page of `request_id`. Cached pages stay reusable until evicted."""
+        table = self._page_tables.pop(request_id, [])
+        self._hash_chains.pop(request_id, None)
+        # Release the tail first so it is evicted before the prefix pages that more requests share.
+        for page in reversed(table):
+            self._refcounts[page] -= 1
+            if self._refcounts[page] == 0:
+                if page in self._hash_of_page:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    # ---- invariants ------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise KVCacheIntegrityError if any page is leaked, double-owned or inconsistently recorded."""
+        problems: list[str] = []
+        owners = Counter(page for table in self._page_tables.values() for page in table)
+        for request_id, table in self._page_tables.items():
+            if len(set(table)) != len(table):
+                problems.append(f"request {request_id!r} holds a page twice: {table}")
+        for page in range(self.num_pages):
+            if self._refcounts[page] != owners[page]:
+                problems.append(f"page {page} has refcount {self._refcounts[page]} but {owners[page]} owners")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            problems.append("the free list holds a page twice")
+        if free & set(self._evictable):
+            problems.append(f"pages both free and cached: {sorted(free & set(self._evictable))}")
+        for page in free:
+            if owners[page] or page in self._hash_of_page:
+                problems.append(f"free page {page} is owned or cached")
+        for page in self._evictable:
+            if owners[page] or page not in self._hash_of_page:
+                problems.append(f"evictable page {page} is owned or has no content hash")
+        accounted = len(free) + len(self._evictable) + len(owners)
+        if accounted != self.num_pages:
+            problems.append(f"{self.num_pages - accounted} pages are neither free, cached nor owned (leaked)")
+        for page_hash, page in self._page_of_hash.items():
+            if self._hash_of_page.get(page) != page_hash:
+                problems.append(f"page {page}'s content hash is recorded inconsistently")
+        if len(self._page_of_hash) != len(self._hash_of_page):
+            problems.append("the two content-hash maps differ in size")
+        if problems:
+            raise KVCacheIntegrityError("KV page bookkeeping is broken: " + "; ".join(problems))
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _pages_missing(self, request_id: str, num_tokens: int) -> int:
+        return max(0, self.pages_for(num_tokens) - len(self._page_tables.get(request_id, ())))
+
+    def _take_page(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of_hash[self._hash_of_page.pop(page)]
+        self._refcounts[page] = 1
+        return page
+
+    def _pin(self, page: int) -> None:
+        if self._refcounts[page] == 0:
+            del self._evictable[page]
+        self._refcounts[page] += 1
+
+    def _hash_page(self, chain: list[int], token_ids: Sequence[int], index: int) -> int:
+        previous = chain[-1] if chain else None
+        start = index * self.page_size
+        return hash((previous, tuple(token_ids[start:start + self.page_size])))

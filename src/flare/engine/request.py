@@ -1,0 +1,95 @@
+"""A request as the engine core sees it: token ids, progress, and the rules that finish it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from flare.engine.outputs import FinishReason, TokenLogprob
+from flare.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What crosses into the engine core once per request (plain data, so it pickles across processes)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to recompute
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Mutable state of one request inside the core.
+
+    The one rule of progress: `num_computed_tokens` (tokens whose K/V sit in the cache) catches up to
+    `num_tokens` (prompt plus output). A chunk of prefill, a decode step and the recomputation after a
+    preemption all advance the same counter; a token is sampled when the counter reaches the end.
+    """
+
+    def __init__(self, request: EngineRequest, arrival: int) -> None:
+        self.request_id = request.request_id
+        self.params = request.params
+        self.prompt_token_ids = list(request.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(request.prompt_token_ids)  # prompt + output, appended in step
+        self.arrival = arrival
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0          # prompt tokens served from the prefix cache, first admission
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_token_id: int | None = None
+        self.generator = None               # torch.Generator for a seeded request, made by the runner
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if request.params.prompt_logprobs is not None else None)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt position still lacks its logprob (survives preemption: never recomputed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens})")
+
+
+def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int) -> bool:
+    """Finish `request` if its newest token ends it; return whether it did.
+
+    Order as users of vLLM expect: a stop or EOS token wins over the length limit reached by the same token.
+    """
+    last = request.output_token_ids[-1]
+    params = request.params
+    if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
+        request.finish_reason, request.stop_token_id = "stop", last
+    elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        request.finish_reason = "length"
+    else:
+        return False
+    return True

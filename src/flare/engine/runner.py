@@ -1,0 +1,92 @@
+"""Model runner (hot path, keep it small): scheduled chunks -> one forward pass -> sampled tokens.
+
+Flattens the step's chunks into one token batch with its AttentionMetadata, runs the model, takes the
+hidden row of each chunk's last token (and every prompt row when prompt logprobs are asked), computes
+logits and samples on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flare.engine.config import EngineConfig
+from flare.engine.kv_cache import PageAllocator
+from flare.engine.sampler import Sampler, gather_logprobs
+from flare.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model, model_config, config: EngineConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int | None = None) -> None:
+        from flare.engine.attention import allocate_kv_caches
+
+        self.model = model
+        self.config = config
+        self.vocab_size = model_config.vocab_size
+        self.device = torch.device(device)
+        self.sampler = Sampler(self.device, seed)
+        self.kv_caches = allocate_kv_caches(model_config, config.num_pages, config.page_size, dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput, allocator: PageAllocator) -> RunnerOutput:
+        chunks = scheduled.chunks
+        input_ids, positions, meta, query_start = self._prepare(chunks, allocator)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden, query_start)
+        sampling = [i for i, chunk in enumerate(chunks) if chunk.completes]
+        if not sampling:
+            return RunnerOutput({}, {}, prompt_logprobs)
+        requests = [chunks[i].request for i in sampling]
+        last_rows = [query_start[i + 1] - 1 for i in sampling]      # each chunk's last token
+        result = self.sampler(self.model.compute_logits(hidden[last_rows]), requests)
+        ids = [r.request_id for r in requests]
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+
+    def _prepare(self, chunks: tuple[ScheduledChunk, ...], allocator: PageAllocator):
+        from flare.engine.attention import AttentionMetadata
+
+        page_size = self.config.page_size
+        input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
+        tables = [allocator.page_table(chunk.request.request_id) for chunk in chunks]
+        for chunk, table in zip(chunks, tables):
+            end = chunk.start + chunk.num_new_tokens
+            input_ids += chunk.request.all_token_ids[chunk.start:end]
+            span = range(chunk.start, end)
+            positions += span
+            slots += [table[p // page_size] * page_size + p % page_size for p in span]
+            query_start.append(query_start[-1] + chunk.num_new_tokens)
+            seq_lens.append(end)
+        width = max(len(table) for table in tables)
+        block_tables = [table + [0] * (width - len(table)) for table in tables]
+        device = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(chunk.num_new_tokens for chunk in chunks),
+            max_seq_len=max(seq_lens),
+            page_size=page_size,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device), meta, query_start)
+
+    def _prompt_logprobs(self, chunks, hidden: torch.Tensor, query_start: list[int]) -> dict[str, list]:
+        """Logprobs of the prompt tokens each chunk predicts: the row at position p scores token p + 1."""
+        found = {}
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            if not request.wants_prompt_logprobs:
+                continue
+            # Positions whose next token is a prompt token still lacking its logprob (a chunk replayed
+            # after a preemption skips those already known).
+            first = max(chunk.start, len(request.prompt_logprobs) - 1)
+            last = min(chunk.start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            rows = hidden[query_start[i] + first - chunk.start: query_start[i] + last - chunk.start]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            targets = torch.tensor(request.prompt_token_ids[first + 1:last + 1], device=self.device)
+            found[request.request_id] = gather_logprobs(logprobs, targets, [request.params.prompt_logprobs] * len(rows))
+        return found

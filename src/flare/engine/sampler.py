@@ -1,0 +1,171 @@
+"""Sampler: turns one step's logits into tokens, batched on the logits' device.
+
+Order of the controls (as vLLM): repetition penalty (prompt and output tokens), presence and
+frequency penalties (output tokens), logit bias, then greedy argmax, or temperature, min-p, top-k
+and top-p followed by a random draw. Greedy rows see penalties and bias too.
+
+Random draws use the exponential race: the token is argmax(p / q) with q ~ Exp(1) drawn per
+vocabulary entry, which samples exactly from p. A seeded request draws its q from its own
+generator, so its tokens do not depend on what else shares the batch; unseeded requests draw
+from the engine's generator.
+
+Logprobs are those of the raw model distribution (log-softmax of the logits before any control),
+as vLLM returns by default; `rank` is 1 for the most likely token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flare.engine.outputs import TokenLogprob
+from flare.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]     # one per row; None where the request asked for none
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """logits: [N, V] float32, row i for requests[i]."""
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_penalties_and_bias(logits, requests)
+        token_ids = self._choose(logits, requests)
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+            found = gather_logprobs(raw_logprobs[rows], token_ids[rows],
+                                    [requests[i].params.logprobs for i in rows])
+            for row, entry in zip(rows, found):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not random_rows:
+            return token_ids
+        chosen = [requests[i] for i in random_rows]
+        probs = _random_sampling_probs(logits[random_rows], chosen)
+        noise = self._exponential_noise(chosen, probs.shape[-1])
+        token_ids[random_rows] = (probs / noise).argmax(dim=-1)
+        return token_ids
+
+    def _exponential_noise(self, requests: Sequence[Request], vocab_size: int) -> torch.Tensor:
+        noise = torch.empty(len(requests), vocab_size, device=self.device)
+        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab_size, device=self.device).exponential_(
+                generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.params.seed is not None:
+                if request.generator is None:
+                    request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+                noise[i].exponential_(generator=request.generator)
+        return noise
+
+
+def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties and logit bias; returns `logits` itself if none apply."""
+    params = [r.params for r in requests]
+    needs_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    needs_additive = any(p.presence_penalty or p.frequency_penalty for p in params)
+    needs_bias = any(p.logit_bias for p in params)
+    if not (needs_repetition or needs_additive or needs_bias):
+        return logits
+    logits = logits.clone()
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    if needs_repetition:
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        seen = _token_counts(requests, vocab_size, device, include_prompt=True) > 0
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if needs_additive:
+        counts = _token_counts(requests, vocab_size, device, include_prompt=False)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        logits -= frequency * counts + presence * (counts > 0)
+    if needs_bias:
+        rows, columns, values = [], [], []
+        for row, p in enumerate(params):
+            for token_id, bias in p.logit_bias:
+                if 0 <= token_id < vocab_size:
+                    rows.append(row), columns.append(token_id), values.append(bias)
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(columns, device=device)),
+                          torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True)
+    return logits
+
+
+def _token_counts(requests: Sequence[Request], vocab_size: int, device: torch.device,
+                  include_prompt: bool) -> torch.Tensor:
+    """[N, V] float32: how often each token occurs in each request's output (and prompt if asked)."""
+    counts = torch.zeros(len(requests), vocab_size, device=device)
+    for row, request in enumerate(requests):
+        ids = request.all_token_ids if include_prompt else request.output_token_ids
+        if ids:
+            index = torch.tensor(ids, device=device)
+            counts[row].index_add_(0, index, torch.ones(len(ids), device=device))
+    return counts
+
+
+def _random_sampling_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Temperature, then min-p, top-k and top-p (in vLLM's order); returns probabilities [n, V]."""
+    device = logits.device
+    params = [r.params for r in requests]
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    logits = logits / temperature
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    return logits.softmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    positions = torch.arange(vocab_size, device=device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(positions >= top_k[:, None], float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest head whose mass reaches top_p: drop a token once the mass before it does.
+    beyond = (probs.cumsum(dim=-1) - probs) >= top_p
+    beyond[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(beyond, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprob]:
+    """For row i: the logprob and rank of token_ids[i], plus the num_top[i] best alternatives."""
+    chosen = logprobs.gather(-1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    most = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
+    chosen_list, rank_list = chosen[:, 0].tolist(), ranks.tolist()
+    top_values_list = top_values.tolist() if most else None
+    top_ids_list = top_ids.tolist() if most else None
+    entries = []
+    for i, token_id in enumerate(token_ids.tolist()):
+        top = tuple(zip(top_ids_list[i][:num_top[i]], top_values_list[i][:num_top[i]])) if most else ()
+        entries.append(TokenLogprob(token_id, chosen_list[i], rank_list[i], top))
+    return entries

@@ -1,0 +1,183 @@
+"""Write a prepared model as a signed cache entry: payloads into blobs, the manifest into the primary.
+
+`export_entry` needs no model code: weights come straight from the checkpoint's safetensors, grouped
+per semantic layer and cast to the plan's dtype. Everything is built under staging/ and published by
+one rename, so a failure at any point publishes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from flare.errors import PreparationError, UsageError
+from flare.package import format as fmt
+from flare.package import safetensors_io as st
+from flare.package import weights as wt
+from flare.package.signing import SigningIdentity
+from flare.package.store import EntryId, ModelCache, model_key_for
+
+WEIGHT_MODES = ("normal", "no-weights", "reuse-weights")
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """Everything the manifest records about a prepared model, decided before export."""
+
+    model_id: str                                  # canonical model id, e.g. "stories260k"
+    served_names: tuple[str, ...]
+    checkpoint_dir: Path
+    hf_config: dict
+    plan: dict                                     # dtype, page_size, prefill_chunk, capacities, ...
+    recipe_name: str | None = None
+    recipe_alias: str | None = None
+    checkpoint_repo: str | None = None
+    checkpoint_revision: str | None = None
+    repository: str | None = None                  # Hugging Face target of the package (--repo-id)
+    sampling: dict = field(default_factory=lambda: {"defaults": {}, "ranges": {}})
+    license: dict | None = None
+    preparation: dict = field(default_factory=dict)  # device and phase record
+    graphs: dict = field(default_factory=dict)       # the captured graph catalog (empty on CPU)
+    tensor_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class ExportHooks:
+    """Optional observers: called after each payload is stored, and with counts for progress lines."""
+
+    on_payload: Callable[[str, int, bool], None] | None = None   # (name, size, reused)
+
+
+def export_entry(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity,
+                 weight_mode: str = "normal", reuse_from: "object | None" = None,
+                 hooks: ExportHooks = ExportHooks(), select: bool = True) -> Path:
+    """Publish `spec` as a new version in `cache`; return the entry's directory."""
+    if weight_mode not in WEIGHT_MODES:
+        raise UsageError(f"unknown weight mode {weight_mode!r}")
+    model_key = model_key_for(spec.model_id)
+    entry = EntryId(model_key, new_version(cache, model_key))
+    with cache.staging_tree() as staging:
+        tree = staging / "entry"
+        tree.mkdir()
+        payloads = []
+        if weight_mode == "reuse-weights":
+            payloads += _reuse_weights(spec, cache, tree, reuse_from, hooks)
+        else:
+            payloads += _write_weights(spec, cache, tree, weight_mode == "no-weights", hooks)
+        payloads.append(_store(cache, tree, fmt.FRONTEND_PAYLOAD, "frontend", _frontend_tensors(spec), hooks))
+        deployment = f"tp{spec.tensor_parallel}"
+        ranks = []
+        for rank in range(spec.tensor_parallel):
+            name = f"deployments/{deployment}/rank-{rank}/graphs.safetensors"
+            catalog = json.dumps(spec.graphs, sort_keys=True)
+            payloads.append(_store(cache, tree, name, "module-global", [], hooks,
+                                   metadata={"flare.graph_catalog": catalog}))
+            ranks.append({"rank": rank, "payloads": [name]})
+        manifest = _manifest(spec, entry, identity, payloads,
+                             [{"name": deployment, "tensor_parallel": spec.tensor_parallel, "ranks": ranks}])
+        body = fmt.manifest_text(manifest)
+        primary = fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(), "directory")
+        fmt.write_primary(tree / fmt.PRIMARY_NAME, primary)
+        return cache.publish(tree, entry, select=select)
+
+
+def new_version(cache: ModelCache, model_key: str) -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    version, suffix = stamp, 1
+    while cache.entry_path(EntryId(model_key, version)).exists():
+        suffix += 1
+        version = f"{stamp}-{suffix}"
+    return version
+
+
+def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cached: bool,
+                   hooks: ExportHooks) -> list[dict]:
+    files = wt.checkpoint_tensor_files(spec.checkpoint_dir)
+    records = []
+    for payload, names in wt.group_by_payload(files).items():
+        tensors = wt.read_checkpoint_group(names, files, spec.plan["dtype"])
+        record = _store(cache, tree, payload, "weights", tensors, hooks, require_cached=require_cached)
+        records.append(record)
+    return records
+
+
+def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source, hooks: ExportHooks) -> list[dict]:
+    """Link the weight payloads of the model's verified default version, after checking they fit."""
+    if source is None:
+        raise PreparationError(f"--reuse-weights needs a cached default version of {spec.model_id}; "
+                               "run a normal export first")
+    old = source.manifest
+    mismatches = [what for what, ours, theirs in (
+        ("recipe", spec.recipe_name, old["recipe"]["name"]),
+        ("checkpoint revision", spec.checkpoint_revision, old["checkpoint"]["revision"]),
+        ("dtype", spec.plan["dtype"], old["plan"]["dtype"]),
+        ("tensor-parallel size", spec.tensor_parallel, old["plan"]["tensor_parallel"]),
+        ("checkpoint config", spec.hf_config, old["checkpoint"]["config"])) if ours != theirs]
+    expected = set(wt.group_by_payload(wt.checkpoint_tensor_files(spec.checkpoint_dir)))
+    reused = [record for record in old["payloads"] if record["kind"] == "weights"]
+    if {record["name"] for record in reused} != expected:
+        mismatches.append("weight payload layout")
+    if mismatches:
+        raise PreparationError(f"--reuse-weights: the cached default version {source.label} differs in "
+                               f"{', '.join(mismatches)}; export without --reuse-weights")
+    for record in reused:
+        if not cache.has_blob(record["sha256"]):
+            raise PreparationError(f"--reuse-weights: payload {record['name']} ({record['sha256'][:12]}…) is "
+                                   "missing from the cache; export without --reuse-weights")
+        cache.link_blob(record["sha256"], tree / record["name"])
+        if hooks.on_payload:
+            hooks.on_payload(record["name"], record["size"], True)
+    return [dict(record) for record in reused]
+
+
+def _store(cache: ModelCache, tree: Path, name: str, kind: str, tensors, hooks: ExportHooks,
+           metadata: dict | None = None, require_cached: bool = False) -> dict:
+    path = tree / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sha256, size = st.write(path, tensors, metadata)
+    if require_cached and not cache.has_blob(sha256):
+        raise PreparationError(f"--no-weights: weight payload {name} ({sha256[:12]}…) is not cached; "
+                               "export once without --no-weights")
+    reused = cache.store_payload(path, sha256)
+    if hooks.on_payload:
+        hooks.on_payload(name, size, reused)
+    return {"name": name, "kind": kind, "sha256": sha256, "size": size}
+
+
+def _frontend_tensors(spec: ExportSpec) -> list[st.TensorBytes]:
+    names = fmt.frontend_asset_names(spec.checkpoint_dir)
+    if "tokenizer.json" not in names and "tokenizer.model" not in names:
+        raise PreparationError(f"{spec.checkpoint_dir} has no tokenizer.json; a package needs its tokenizer")
+    tensors = []
+    for name in names:
+        data = (Path(spec.checkpoint_dir) / name).read_bytes()
+        tensors.append(st.TensorBytes(name, "U8", (len(data),), data))
+    return tensors
+
+
+def _manifest(spec: ExportSpec, entry: EntryId, identity: SigningIdentity, payloads: list[dict],
+              deployments: list[dict]) -> dict:
+    return {
+        "format_version": fmt.FORMAT_VERSION,
+        "model_key": entry.model_key,
+        "version": entry.version,
+        "model_id": spec.model_id,
+        "served_names": list(spec.served_names),
+        "recipe": {"name": spec.recipe_name, "alias": spec.recipe_alias},
+        "checkpoint": {"repo_id": spec.checkpoint_repo, "revision": spec.checkpoint_revision,
+                       "config": spec.hf_config},
+        "repository": spec.repository,
+        "plan": dict(spec.plan, tensor_parallel=spec.tensor_parallel),
+        "sampling": spec.sampling,
+        "license": spec.license,
+        "publisher": {"namespace": identity.namespace, "official_source": identity.official_source,
+                      "key_fingerprint": identity.public_key.fingerprint},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "preparation": spec.preparation,
+        "frontend": {"payload": fmt.FRONTEND_PAYLOAD, "assets": fmt.frontend_asset_names(spec.checkpoint_dir)},
+        "deployments": deployments,
+        "payloads": payloads,
+    }

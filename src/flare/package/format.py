@@ -1,0 +1,137 @@
+"""The package format: a metadata-only primary carrying the signed manifest, plus payload files.
+
+Directory form:  <entry>/model.safetensors (primary, no tensors) and one file per payload, named by the
+                 payload's semantic name (weights/layer-000.safetensors, frontend.safetensors, ...).
+Packed form:     one safetensors file; its `__metadata__` is the primary's, and each payload's exact
+                 bytes form one U8 tensor named `payload:<name>` (padding tensors keep every payload
+                 64-byte aligned, so tensors read from it in place are aligned too).
+
+The signed body is the manifest's exact JSON text; converting between forms copies it unchanged.
+Physical locations are not signed: they follow from the form, and the manifest's sizes and hashes
+bind every payload's bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from flare.errors import PreparationError
+from flare.package import safetensors_io as st
+
+FORMAT_VERSION = 2
+PRIMARY_NAME = "model.safetensors"
+FRONTEND_PAYLOAD = "frontend.safetensors"
+PACKED_PREFIX = "payload:"
+PADDING_PREFIX = "padding:"
+PACKED_ALIGNMENT = 64
+
+KEY_FORMAT = "flare.format"
+KEY_MANIFEST = "flare.manifest"
+KEY_SIGNATURE = "flare.signature"
+KEY_PROFILE = "flare.publisher_profile"
+KEY_FORM = "flare.form"
+
+# Assets the tokenizer and chat template need at serving time, copied from the checkpoint.
+FRONTEND_ASSET_NAMES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
+                        "special_tokens_map.json", "chat_template.json", "tokenizer.model")
+FRONTEND_ASSET_SUFFIXES = (".jinja",)
+
+
+def manifest_text(manifest: dict) -> str:
+    """The canonical text of a manifest: the exact bytes that are signed."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Primary:
+    """What a primary's metadata holds. `manifest_body` is the signed text, kept byte for byte."""
+
+    manifest_body: str
+    signature: bytes
+    profile_json: str                 # the embedded public profile of the signer
+    form: str                         # "directory" or "packed"
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads(self.manifest_body)
+
+    def metadata(self, form: str | None = None) -> dict[str, str]:
+        return {KEY_FORMAT: str(FORMAT_VERSION), KEY_FORM: form or self.form, KEY_MANIFEST: self.manifest_body,
+                KEY_SIGNATURE: base64.b64encode(self.signature).decode(), KEY_PROFILE: self.profile_json}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str], where: str) -> "Primary":
+        version = metadata.get(KEY_FORMAT)
+        if version is None or KEY_MANIFEST not in metadata:
+            raise PreparationError(f"{where} is not a Flare package: its metadata has no signed manifest")
+        if version != str(FORMAT_VERSION):
+            raise PreparationError(f"{where} has package format {version}; this Flare reads format "
+                                   f"{FORMAT_VERSION}; export it again with `ignition export`")
+        try:
+            signature = base64.b64decode(metadata.get(KEY_SIGNATURE, ""), validate=True)
+            json.loads(metadata[KEY_MANIFEST])
+        except ValueError as error:
+            raise PreparationError(f"{where}: the signed manifest is corrupt ({error})") from None
+        return cls(metadata[KEY_MANIFEST], signature, metadata.get(KEY_PROFILE, ""),
+                   metadata.get(KEY_FORM, "directory"))
+
+
+@dataclass(frozen=True)
+class PayloadLocation:
+    """Where one payload's bytes are: a file, an offset inside it, and the length."""
+
+    path: Path
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class PackageFiles:
+    """A package on disk, in either form: its primary record and where each payload lives."""
+
+    primary_path: Path
+    primary: Primary
+    form: str
+    packed_locations: dict[str, PayloadLocation]
+
+    def locate(self, name: str, recorded_size: int) -> PayloadLocation:
+        if self.form == "packed":
+            if name not in self.packed_locations:
+                raise PreparationError(f"payload {name} is missing from packed package {self.primary_path}")
+            return self.packed_locations[name]
+        return PayloadLocation(self.primary_path.parent / name, 0, recorded_size)
+
+
+def write_primary(path: Path, primary: Primary) -> None:
+    st.write(path, [], primary.metadata("directory"))
+
+
+def read_package_files(target: Path) -> PackageFiles:
+    """Open the primary of an entry directory, a primary file, or a packed file; read metadata only."""
+    target = Path(target)
+    primary_path = target / PRIMARY_NAME if target.is_dir() else target
+    try:
+        with open(primary_path, "rb") as handle:
+            size = primary_path.stat().st_size
+            header = st.read_header(handle, 0, size, what=str(primary_path))
+    except FileNotFoundError:
+        raise PreparationError(f"no package at {target}: {primary_path} does not exist") from None
+    primary = Primary.from_metadata(header.metadata, str(primary_path))
+    locations = {}
+    for entry in header.tensors:
+        if entry.name.startswith(PACKED_PREFIX):
+            name = entry.name[len(PACKED_PREFIX):]
+            locations[name] = PayloadLocation(primary_path, entry.start, entry.end - entry.start)
+    if primary.form == "packed" and header.total_size > size:
+        raise PreparationError(f"{primary_path} is truncated: {size} bytes of {header.total_size}")
+    return PackageFiles(primary_path, primary, primary.form, locations)
+
+
+def frontend_asset_names(checkpoint_dir: Path) -> list[str]:
+    """The frontend files a checkpoint has, sorted so the frontend payload's bytes are reproducible."""
+    names = [path.name for path in Path(checkpoint_dir).iterdir() if path.is_file() and
+             (path.name in FRONTEND_ASSET_NAMES or path.name.endswith(FRONTEND_ASSET_SUFFIXES))]
+    return sorted(names)

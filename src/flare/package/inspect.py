@@ -1,0 +1,249 @@
+"""`flare inspect`: a package's summary and optional detail sections, as text or stable JSON.
+
+The report is built as an ordered dict (insertion order is the JSON key order), so `--json` is
+stable: exact integers, nulls kept, explicit zeroes kept. Text renders the same data in boxes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from flare.errors import UsageError
+from flare.package.reader import Package
+from flare.package.render import Section
+from flare.ui.progress import format_bytes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    memory_map: bool = False
+    graphs: bool = False
+    frontend: bool = False
+    all: bool = False
+    rank: int | None = None
+    tensor_parallel: int | None = None
+
+
+def build_report(package: Package, options: InspectOptions) -> dict:
+    manifest = package.manifest
+    deployment = _select_deployment(manifest, options.tensor_parallel)
+    ranks = _select_ranks(deployment, options.rank)
+    report: dict = {"verification": _verification(package), "model": _model(manifest),
+                    "capacities": _capacities(manifest), "cache_history": ["paged_kv"], "speculation": None,
+                    "sampling": manifest["sampling"],
+                    "deployment": {"name": deployment["name"], "tensor_parallel": deployment["tensor_parallel"],
+                                   "rank_count": len(deployment["ranks"]),
+                                   "selected_tensor_parallel": options.tensor_parallel},
+                    "ranks": [_rank_summary(package, rank) for rank in ranks]}
+    if options.memory_map or options.all:
+        report["memory_map"] = _memory_map(package, ranks)
+    if options.graphs or options.all:
+        report["graphs"] = [{"rank": rank["rank"], "catalog": _catalog(package, rank)} for rank in ranks]
+    if options.frontend or options.all:
+        report["frontend"] = _frontend(package)
+    if options.all:
+        report["package"] = {"path": str(package.path), "form": package.form,
+                             "format_version": manifest["format_version"], "created": manifest.get("created"),
+                             "preparation": manifest.get("preparation")}
+        report["manifest"] = manifest
+    return report
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=2, ensure_ascii=False)
+
+
+def _verification(package: Package) -> dict:
+    publisher = package.manifest["publisher"]
+    trust = package.trust
+    return {"mode": "verified" if trust else "unverified",
+            "signature": "valid" if trust else None,
+            "publisher": publisher["namespace"], "official_source": publisher.get("official_source"),
+            "key_fingerprint": publisher["key_fingerprint"],
+            "key_source": trust.key_source if trust else None,
+            "accepted": trust.accepted if trust else None,
+            "identity": trust.identity if trust else None}
+
+
+def _model(manifest: dict) -> dict:
+    config = manifest["checkpoint"]["config"]
+    return {"model_id": manifest["model_id"], "served_names": manifest["served_names"],
+            "model_key": manifest["model_key"], "version": manifest["version"],
+            "architecture": (config.get("architectures") or [None])[0],
+            "recipe": manifest["recipe"]["name"], "alias": manifest["recipe"]["alias"],
+            "checkpoint_repo": manifest["checkpoint"]["repo_id"],
+            "checkpoint_revision": manifest["checkpoint"]["revision"],
+            "repository": manifest.get("repository"), "license": manifest.get("license")}
+
+
+def _capacities(manifest: dict) -> dict:
+    plan = manifest["plan"]
+    return {"dtype": plan["dtype"], "max_model_len": plan["max_model_len"],
+            "max_concurrency": plan["max_concurrency"], "decode_capacities": plan["decode_capacities"],
+            "prefill_chunk": plan["prefill_chunk"], "page_size": plan["page_size"],
+            "kv_bytes_per_token": _kv_bytes_per_token(manifest),
+            "memory_reserve_bytes": plan["memory_reserve_bytes"]}
+
+
+def _kv_bytes_per_token(manifest: dict) -> int | None:
+    config = manifest["checkpoint"]["config"]
+    try:
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        layers = config["num_hidden_layers"]
+    except (KeyError, TypeError):
+        return None
+    tp = manifest["plan"].get("tensor_parallel", 1)
+    return 2 * layers * max(1, heads // tp) * head_dim * DTYPE_BYTES.get(manifest["plan"]["dtype"], 2)
+
+
+def _select_deployment(manifest: dict, tensor_parallel: int | None) -> dict:
+    deployments = manifest["deployments"]
+    sizes = [d["tensor_parallel"] for d in deployments]
+    if tensor_parallel is None:
+        if len(deployments) != 1:
+            raise UsageError(f"the package has deployments for tensor-parallel sizes {sizes}; "
+                             "choose one with --tensor-parallel N")
+        return deployments[0]
+    matches = [d for d in deployments if d["tensor_parallel"] == tensor_parallel]
+    if len(matches) != 1:
+        problem = "is not in" if not matches else "appears more than once in"
+        raise UsageError(f"--tensor-parallel {tensor_parallel} {problem} the package; available sizes: "
+                         f"{', '.join(map(str, sizes))}")
+    return matches[0]
+
+
+def _select_ranks(deployment: dict, rank: int | None) -> list[dict]:
+    if rank is None:
+        return deployment["ranks"]
+    chosen = [r for r in deployment["ranks"] if r["rank"] == rank]
+    if not chosen:
+        raise UsageError(f"--rank {rank}: the {deployment['name']} deployment has ranks "
+                         f"0 through {len(deployment['ranks']) - 1}")
+    return chosen
+
+
+def _rank_summary(package: Package, rank: dict) -> dict:
+    weights = [r for r in package.manifest["payloads"] if r["kind"] == "weights"]
+    catalog = _catalog(package, rank)
+    return {"rank": rank["rank"], "weight_bytes": sum(r["size"] for r in weights),
+            "fixed_bytes": sum(r["size"] for r in package.manifest["payloads"]),
+            "graph_count": len(catalog["captured"]) if catalog else None}
+
+
+def _catalog(package: Package, rank: dict) -> dict | None:
+    if package.trust is None:
+        return None                                  # unverified: companion files are not opened
+    for name in rank["payloads"]:
+        if name in package.graph_catalogs:
+            return package.graph_catalogs[name]
+    return None
+
+
+def _memory_map(package: Package, ranks: list[dict]) -> list[dict]:
+    result = []
+    for rank in ranks:
+        names = set(rank["payloads"])
+        payloads = []
+        for record in package.manifest["payloads"]:
+            if record["kind"] != "module-global" or record["name"] in names:
+                location = package.files.locate(record["name"], record["size"])
+                payloads.append({"name": record["name"], "kind": record["kind"], "size": record["size"],
+                                 "sha256": record["sha256"], "file": str(location.path),
+                                 "offset": location.offset})
+        result.append({"rank": rank["rank"], "payloads": payloads,
+                       "kv_bytes_per_token": _kv_bytes_per_token(package.manifest),
+                       "kv_pages": "sized at load from free device memory"})
+    return result
+
+
+def _frontend(package: Package) -> dict:
+    frontend = package.manifest["frontend"]
+    assets = [{"name": name, "size": len(package.frontend_assets[name]) if name in package.frontend_assets
+               else None} for name in frontend["assets"]]
+    tokenizer_config = {}
+    if "tokenizer_config.json" in package.frontend_assets:
+        tokenizer_config = json.loads(package.frontend_assets["tokenizer_config.json"])
+    has_template = bool(tokenizer_config.get("chat_template")) or any(
+        name.endswith(".jinja") or name == "chat_template.json" for name in frontend["assets"])
+    return {"payload": frontend["payload"], "assets": assets,
+            "tokenizer_class": tokenizer_config.get("tokenizer_class"),
+            "bos_token": tokenizer_config.get("bos_token"), "eos_token": tokenizer_config.get("eos_token"),
+            "chat_template": has_template if package.trust else None}
+
+
+# --- text --------------------------------------------------------------------------------------
+
+def _text(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, list):
+        return ", ".join(_text(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_text(v)}" for k, v in value.items()) or "-"
+    return str(value)
+
+
+def sections(report: dict) -> list[Section]:
+    verification, model, capacities = report["verification"], report["model"], report["capacities"]
+    mode = verification["mode"]
+    trust_line = ("UNVERIFIED: signature not checked" if mode == "unverified" else
+                  f"signature valid; {'accepted' if verification['accepted'] else 'not accepted yet'}")
+    result = [
+        Section("Model", [("name", model["served_names"][0] if model["served_names"] else model["model_id"]),
+                          ("model id", model["model_id"]), ("served names", _text(model["served_names"])),
+                          ("version", f"{model['model_key']}@{model['version']}"),
+                          ("architecture", _text(model["architecture"])),
+                          ("recipe", f"{_text(model['recipe'])} (alias {_text(model['alias'])})"),
+                          ("checkpoint", f"{_text(model['checkpoint_repo'])}@{_text(model['checkpoint_revision'])}"),
+                          ("license", _text((model["license"] or {}).get("name")))]),
+        Section("Publisher", [("verification", trust_line), ("namespace", verification["publisher"]),
+                              ("source", _text(verification["official_source"])),
+                              ("key", verification["key_fingerprint"]),
+                              ("identity", _text(verification["identity"]))]),
+        Section("Capacities", [("dtype", capacities["dtype"]), ("context", _text(capacities["max_model_len"])),
+                               ("concurrency", _text(capacities["max_concurrency"])),
+                               ("decode batches", _text(capacities["decode_capacities"])),
+                               ("prefill chunk", _text(capacities["prefill_chunk"])),
+                               ("page size", _text(capacities["page_size"])),
+                               ("KV per token", format_bytes(capacities["kv_bytes_per_token"])),
+                               ("cache history", _text(report["cache_history"])),
+                               ("speculation", _text(report["speculation"]) if report["speculation"] else "off")]),
+        Section("Sampling", [("defaults", _text(report["sampling"]["defaults"])),
+                             ("ranges", _text(report["sampling"]["ranges"]))]),
+        Section(f"Ranks ({report['deployment']['name']})",
+                table=(["rank", "weights", "fixed", "graphs"],
+                       [[str(r["rank"]), format_bytes(r["weight_bytes"]), format_bytes(r["fixed_bytes"]),
+                         _text(r["graph_count"])] for r in report["ranks"]])),
+    ]
+    for rank_map in report.get("memory_map", []):
+        result.append(Section(f"Memory map, rank {rank_map['rank']}",
+                              table=(["payload", "kind", "bytes", "offset", "sha256"],
+                                     [[p["name"], p["kind"], f"{p['size']:,}", f"{p['offset']:,}", p["sha256"][:16]]
+                                      for p in rank_map["payloads"]])))
+    for graphs in report.get("graphs", []):
+        catalog = graphs["catalog"]
+        result.append(Section(f"Graphs, rank {graphs['rank']}",
+                              [("captured", _text(catalog.get("captured")) if catalog else "not read (unverified)"),
+                               ("note", _text(catalog.get("note")) if catalog else "-")]))
+    if "frontend" in report:
+        frontend = report["frontend"]
+        rows = [("tokenizer", _text(frontend["tokenizer_class"])), ("bos / eos",
+                f"{_text(frontend['bos_token'])} / {_text(frontend['eos_token'])}"),
+                ("chat template", _text(frontend["chat_template"]))]
+        rows += [(asset["name"], format_bytes(asset["size"]) if asset["size"] is not None else "-")
+                 for asset in frontend["assets"]]
+        result.append(Section("Frontend", rows))
+    if "package" in report:
+        package = report["package"]
+        result.append(Section("Package", [("path", package["path"]), ("form", package["form"]),
+                                          ("format", str(package["format_version"])),
+                                          ("created", _text(package["created"]))]))
+    return result

@@ -1,0 +1,122 @@
+"""Production key custody: `ignition keygen`, `ignition key-password` and `ignition sign`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+from pathlib import Path
+
+from flare.errors import UsageError
+from flare.package import format as fmt
+from flare.package.export import new_version
+from flare.package.signing import (DEVELOPMENT_NAMESPACE, SigningIdentity, ask_passphrase, generate_private_key,
+                                   load_private_key, private_key_pem, publishing_identity, write_owner_only)
+from flare.package.store import EntryId, ModelCache
+
+PROFILE_NAME = "publisher.json"
+
+
+def _passphrase(path: Path | None, prompt: str, confirm: bool) -> bytes:
+    if path is not None:
+        text = Path(path).read_text().rstrip("\n").encode()
+    else:
+        text = ask_passphrase(prompt)
+        if confirm and ask_passphrase("Repeat the passphrase: ") != text:
+            raise UsageError("the passphrases differ; nothing was written")
+    if not text:
+        raise UsageError("an empty passphrase would leave the key unencrypted; choose a passphrase")
+    return text
+
+
+def keygen(key_path: Path, namespace: str, official_source: str,
+           passphrase_file: Path | None = None) -> tuple[Path, Path, str]:
+    """Write an encrypted Ed25519 key (owner-only) and publisher.json beside it; return paths and fingerprint."""
+    key_path = Path(key_path).expanduser()
+    profile_path = key_path.parent / PROFILE_NAME
+    if namespace == DEVELOPMENT_NAMESPACE:
+        raise UsageError(f"namespace {DEVELOPMENT_NAMESPACE!r} is reserved for development keys")
+    for path in (key_path, profile_path):
+        if path.exists():
+            raise UsageError(f"{path} already exists; keygen never replaces a key or profile")
+    passphrase = _passphrase(passphrase_file, f"Passphrase for {key_path}: ", confirm=True)
+    key = generate_private_key()
+    write_owner_only(key_path, private_key_pem(key, passphrase))
+    identity = SigningIdentity(key, namespace, official_source)
+    profile_path.write_text(identity.profile.to_json())
+    return key_path, profile_path, identity.public_key.fingerprint
+
+
+def change_passphrase(key_path: Path, old_file: Path | None = None, new_file: Path | None = None) -> str:
+    """Re-encrypt the key under a new passphrase; the key (and so its fingerprint) stays the same."""
+    key_path = Path(key_path).expanduser()
+    old = _passphrase(old_file, f"Current passphrase for {key_path}: ", confirm=False) \
+        if b"ENCRYPTED" in key_path.read_bytes() else None
+    key = load_private_key(key_path, old)
+    new = _passphrase(new_file, "New passphrase: ", confirm=True)
+    temporary = key_path.with_name(f".{key_path.name}.new")
+    temporary.unlink(missing_ok=True)
+    write_owner_only(temporary, private_key_pem(key, new))
+    os.replace(temporary, key_path)
+    return SigningIdentity(key, "", "").public_key.fingerprint
+
+
+def sign_package(target: str, config_path: Path | None = None, official_source: str | None = None,
+                 repo_id: str | None = None, publisher_keys: tuple[Path, ...] = ()) -> Path:
+    """Verify a development package completely and publish it re-signed by the configured publisher."""
+    from flare.package.reader import open_package
+    from flare.package.trust import TrustOptions
+    from flare.package.verify import verify_payloads
+    from flare.prepare import load_settings
+
+    settings = load_settings(config_path)
+    if not settings.publishing:
+        raise UsageError("ignition sign needs a publishing identity: set [publishing] signing_key, namespace "
+                         "and official_source in the configuration file (or pass --config)")
+    identity = publishing_identity(settings.publishing, settings.config_dir, official_source)
+    cache = ModelCache(settings.package_cache)
+    package = open_package(target, TrustOptions(publisher_keys=publisher_keys, require_acceptance=False),
+                           cache_root=cache.root)
+    old = package.manifest
+    if old["publisher"]["namespace"] != DEVELOPMENT_NAMESPACE:
+        raise UsageError(f"{package.label} is already signed by {old['publisher']['namespace']!r}; "
+                         "only development packages are promoted")
+    verify_payloads(package.files, old["payloads"])
+    manifest = dict(old)
+    entry = EntryId(old["model_key"], new_version(cache, old["model_key"]))
+    manifest.update(version=entry.version, repository=repo_id or old.get("repository"),
+                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    promoted_from={"version": old["version"], "key_fingerprint": old["publisher"]["key_fingerprint"]},
+                    publisher={"namespace": identity.namespace, "official_source": identity.official_source,
+                               "key_fingerprint": identity.public_key.fingerprint})
+    with cache.staging_tree() as staging:
+        tree = staging / "entry"
+        tree.mkdir()
+        for record in old["payloads"]:
+            staged = tree / record["name"]
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            location = package.files.locate(record["name"], record["size"])
+            if package.form == "directory" and cache.has_blob(record["sha256"]):
+                cache.link_blob(record["sha256"], staged)
+                continue
+            with open(location.path, "rb") as source, open(staged, "wb") as sink:
+                source.seek(location.offset)
+                shutil.copyfileobj(_Limited(source, record["size"]), sink)
+            cache.store_payload(staged, record["sha256"])
+        body = fmt.manifest_text(manifest)
+        primary = fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(), "directory")
+        fmt.write_primary(tree / fmt.PRIMARY_NAME, primary)
+        return cache.publish(tree, entry)
+
+
+class _Limited:
+    """A file reader that stops after `remaining` bytes."""
+
+    def __init__(self, handle, remaining: int):
+        self.handle, self.remaining = handle, remaining
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.remaining if size < 0 else min(size, self.remaining)
+        data = self.handle.read(size)
+        self.remaining -= len(data)
+        return data

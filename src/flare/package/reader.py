@@ -1,0 +1,149 @@
+"""Opening a package to serve it: verify the signature, decide trust, check payloads, expose contents.
+
+    package = open_package(path_or_selector, TrustOptions(...), cache_root=...)
+    package.manifest                  the signed manifest (dict)
+    package.iter_weights()            (checkpoint tensor name, tensor) for every weight, memory-mapped
+    package.frontend_dir()            a temporary directory holding tokenizer.json, configs, templates
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from flare.errors import UsageError
+from flare.package import format as fmt
+from flare.package import safetensors_io as st
+from flare.package import verify
+from flare.package import weights as wt
+from flare.package.store import DEFAULT_CACHE_ROOT, ModelCache
+from flare.package.trust import TrustOptions, TrustResult, authorize, verify_signature
+
+
+@dataclass
+class Package:
+    """A verified package. Frontend and module-global bytes were hashed when it was opened."""
+
+    path: Path
+    files: fmt.PackageFiles
+    manifest: dict
+    trust: TrustResult | None                      # None only for unverified inspection
+    frontend_assets: dict[str, bytes]
+    graph_catalogs: dict[str, dict]                # deployment payload name -> catalog
+    _frontend_tmp: Path | None = None
+
+    @property
+    def form(self) -> str:
+        return self.files.form
+
+    @property
+    def label(self) -> str:
+        return f"{self.manifest['model_key']}@{self.manifest['version']}"
+
+    @property
+    def hf_config(self) -> dict:
+        return self.manifest["checkpoint"]["config"]
+
+    @property
+    def plan(self) -> dict:
+        return self.manifest["plan"]
+
+    @property
+    def served_names(self) -> list[str]:
+        return list(self.manifest["served_names"])
+
+    @property
+    def payloads(self) -> list[dict]:
+        return list(self.manifest["payloads"])
+
+    def weight_payloads(self) -> list[dict]:
+        return [record for record in self.manifest["payloads"] if record["kind"] == "weights"]
+
+    def iter_weights(self) -> Iterator[tuple[str, object]]:
+        """Every weight under its checkpoint name, as a CPU tensor mapped from the payload file."""
+        for record in self.weight_payloads():
+            location = self.files.locate(record["name"], record["size"])
+            yield from wt.iter_tensors(location.path, location.offset, record["size"], f"payload {record['name']}")
+
+    def frontend_dir(self) -> Path:
+        """Materialise the frontend assets into a temporary directory (removed by `close`)."""
+        if self._frontend_tmp is None:
+            directory = Path(tempfile.mkdtemp(prefix="flare-frontend-"))
+            for name, data in self.frontend_assets.items():
+                (directory / name).write_bytes(data)
+            self._frontend_tmp = directory
+        return self._frontend_tmp
+
+    def close(self) -> None:
+        if self._frontend_tmp is not None:
+            shutil.rmtree(self._frontend_tmp, ignore_errors=True)
+            self._frontend_tmp = None
+
+    def __enter__(self) -> "Package":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def resolve_target(target: str | Path, cache_root: Path | None = None) -> Path:
+    """A package path, or MODEL[@VERSION] in the cache. Existing paths win, as do ./, ../ and absolute paths."""
+    text = str(target)
+    path = Path(text).expanduser()
+    if path.exists() or path.is_absolute() or text.startswith(("./", "../")) or text.endswith(".safetensors"):
+        if not path.exists():
+            raise UsageError(f"no package at {path}")
+        return path
+    cache = ModelCache(cache_root or DEFAULT_CACHE_ROOT)
+    return cache.entry_path(cache.resolve(text))
+
+
+def open_package(target: str | Path, trust: TrustOptions | None = None, cache_root: Path | None = None,
+                 on_verify_bytes: Callable[[int], None] | None = None, stream=None) -> Package:
+    """Verify and open a package for serving; raises before anything is served if any check fails."""
+    trust = trust or TrustOptions()
+    path = resolve_target(target, cache_root)
+    files = fmt.read_package_files(path)
+    primary = files.primary
+    manifest = primary.manifest
+    key, source = verify_signature(primary.manifest_body, primary.signature, manifest, primary.profile_json,
+                                   trust, str(files.primary_path))
+    result = authorize(manifest, key, source, trust, stream)
+    verify.check_layout(files, manifest["payloads"])
+    frontend, catalogs = _read_small_payloads(files, manifest)
+    if trust.verify_weights:
+        verify.verify_payloads(files, [r for r in manifest["payloads"] if r["kind"] == "weights"], on_verify_bytes)
+    return Package(path, files, manifest, result, frontend, catalogs)
+
+
+def open_unverified(target: str | Path, cache_root: Path | None = None) -> Package:
+    """Decode the primary's metadata only: no keys, no signature check, no companion files."""
+    path = resolve_target(target, cache_root)
+    files = fmt.read_package_files(path)
+    return Package(path, files, files.primary.manifest, None, {}, {})
+
+
+def _read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[str, bytes], dict[str, dict]]:
+    """Frontend assets and graph catalogs, from bytes whose hashes were just checked."""
+    frontend: dict[str, bytes] = {}
+    catalogs: dict[str, dict] = {}
+    for record in manifest["payloads"]:
+        if record["kind"] not in ("frontend", "module-global"):
+            continue
+        data = verify.read_verified(files, record)
+        tensors, metadata = _decode(data, record["name"])
+        if record["kind"] == "frontend":
+            frontend.update(tensors)
+        else:
+            catalogs[record["name"]] = json.loads(metadata.get("flare.graph_catalog", "{}"))
+    return frontend, catalogs
+
+
+def _decode(data: bytes, name: str) -> tuple[dict[str, bytes], dict[str, str]]:
+    import io
+    header = st.read_header(io.BytesIO(data), 0, len(data), what=f"payload {name}")
+    return {entry.name: data[entry.start:entry.end] for entry in header.tensors}, header.metadata

@@ -1,0 +1,236 @@
+"""Ed25519 publisher keys: the development identity, production keys, profiles and fingerprints.
+
+A key's fingerprint is the lowercase hex SHA-256 of its raw 32-byte public key. A publisher profile
+(`publisher.json`) carries only verification keys, under the publisher's namespace.
+
+`python -m flare.package.signing --development-fingerprint [--config PATH]` prints the development
+key's fingerprint (creating the key if needed) for scripts that load development packages unattended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from flare.errors import UsageError
+
+DEVELOPMENT_NAMESPACE = "local-development"
+DEVELOPMENT_SOURCE = "local-development"
+DEVELOPMENT_KEY_FILE = "development-signing-key.pem"
+DEVELOPMENT_PROFILE_FILE = "development-publisher.json"
+PROFILE_FORMAT = "flare-publisher-1"
+DEFAULT_CONFIG_DIR = Path("~/.config/flare")
+
+
+@dataclass(frozen=True)
+class PublicKey:
+    raw: bytes                                   # 32 bytes
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.raw).hexdigest()
+
+    @property
+    def encoded(self) -> str:
+        return base64.b64encode(self.raw).decode()
+
+    @classmethod
+    def decode(cls, text: str) -> "PublicKey":
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except ValueError:
+            raise UsageError("a publisher key is not valid base64") from None
+        if len(raw) != 32:
+            raise UsageError(f"a publisher key has {len(raw)} bytes; Ed25519 keys have 32")
+        return cls(raw)
+
+    def verify(self, signature: bytes, message: bytes) -> bool:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+        try:
+            Ed25519PublicKey.from_public_bytes(self.raw).verify(signature, message)
+            return True
+        except InvalidSignature:
+            return False
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A public publisher profile: who signs (namespace, official source) and with which keys."""
+
+    namespace: str
+    official_source: str
+    keys: tuple[PublicKey, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"format": PROFILE_FORMAT, "namespace": self.namespace,
+                           "official_source": self.official_source,
+                           "keys": [{"algorithm": "ed25519", "public_key": key.encoded,
+                                     "fingerprint": key.fingerprint} for key in self.keys]}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "Profile":
+        try:
+            fields = json.loads(text)
+            keys = tuple(PublicKey.decode(entry["public_key"]) for entry in fields["keys"]
+                         if entry.get("algorithm", "ed25519") == "ed25519")
+            return cls(str(fields["namespace"]), str(fields.get("official_source", "")), keys)
+        except (json.JSONDecodeError, KeyError, TypeError, UsageError) as error:
+            raise UsageError(f"{where} is not a valid publisher profile ({error}); "
+                             "it should be the publisher.json written by `ignition keygen`") from None
+
+    @classmethod
+    def load(cls, path: Path) -> "Profile":
+        try:
+            return cls.from_json(Path(path).read_text(), str(path))
+        except OSError as error:
+            raise UsageError(f"cannot read publisher profile {path}: {error.strerror}") from None
+
+
+@dataclass(frozen=True)
+class SigningIdentity:
+    """A private key and the publisher it signs for."""
+
+    private_key: object                          # cryptography Ed25519PrivateKey
+    namespace: str
+    official_source: str
+
+    @property
+    def public_key(self) -> PublicKey:
+        from cryptography.hazmat.primitives import serialization
+        raw = self.private_key.public_key().public_bytes(serialization.Encoding.Raw,
+                                                         serialization.PublicFormat.Raw)
+        return PublicKey(raw)
+
+    @property
+    def profile(self) -> Profile:
+        return Profile(self.namespace, self.official_source, (self.public_key,))
+
+    @property
+    def is_development(self) -> bool:
+        return self.namespace == DEVELOPMENT_NAMESPACE
+
+    def sign(self, message: bytes) -> bytes:
+        return self.private_key.sign(message)
+
+
+def config_dir_for(config_path: Path | None) -> Path:
+    """Where the configuration file lives: the development key is written beside it."""
+    if config_path is not None:
+        return Path(config_path).expanduser().resolve().parent
+    return DEFAULT_CONFIG_DIR.expanduser()
+
+
+def generate_private_key():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    return Ed25519PrivateKey.generate()
+
+
+def private_key_pem(private_key, passphrase: bytes | None) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+    encryption = (serialization.BestAvailableEncryption(passphrase) if passphrase
+                  else serialization.NoEncryption())
+    return private_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+
+
+def write_owner_only(path: Path, data: bytes) -> None:
+    """Create `path` readable by its owner only, refusing to replace an existing file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+
+
+def is_encrypted(path: Path) -> bool:
+    return b"ENCRYPTED PRIVATE KEY" in Path(path).read_bytes()
+
+
+def load_private_key(path: Path, passphrase: bytes | None = None):
+    """Load an owner-only Ed25519 PKCS#8 PEM key; an encrypted key asks for its passphrase on a terminal."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    path = Path(path).expanduser()
+    try:
+        mode = path.stat().st_mode & 0o777
+        data = path.read_bytes()
+    except OSError as error:
+        raise UsageError(f"cannot read signing key {path}: {error.strerror}") from None
+    if mode & 0o077:
+        raise UsageError(f"signing key {path} is readable by others (mode {mode:o}); run `chmod 600 {path}`")
+    if b"ENCRYPTED" in data and passphrase is None:
+        passphrase = ask_passphrase(f"Passphrase for {path}: ")
+    try:
+        key = serialization.load_pem_private_key(data, password=passphrase if b"ENCRYPTED" in data else None)
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"cannot load signing key {path}: {error}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise UsageError(f"signing key {path} is not an Ed25519 key")
+    return key
+
+
+def ask_passphrase(prompt: str) -> bytes:
+    if not sys.stdin.isatty():
+        raise UsageError("the signing key is encrypted and there is no terminal to ask for its passphrase")
+    import getpass
+    return getpass.getpass(prompt).encode()
+
+
+def development_identity(config_dir: Path) -> SigningIdentity:
+    """Create on first use, then reuse, the development key and its public profile beside the config file."""
+    config_dir = Path(config_dir).expanduser()
+    key_path = config_dir / DEVELOPMENT_KEY_FILE
+    if key_path.exists():
+        key = load_private_key(key_path)
+    else:
+        key = generate_private_key()
+        write_owner_only(key_path, private_key_pem(key, None))
+    identity = SigningIdentity(key, DEVELOPMENT_NAMESPACE, DEVELOPMENT_SOURCE)
+    profile_path = config_dir / DEVELOPMENT_PROFILE_FILE
+    profile_text = identity.profile.to_json()
+    if not profile_path.exists() or profile_path.read_text() != profile_text:
+        profile_path.write_text(profile_text)
+    return identity
+
+
+def publishing_identity(publishing: dict | None, config_dir: Path,
+                        official_source: str | None = None) -> SigningIdentity:
+    """The configured [publishing] identity (all three fields), else the development identity."""
+    fields = {key: value for key, value in (publishing or {}).items()
+              if key in ("signing_key", "namespace", "official_source") and value}
+    if not fields:
+        if official_source:
+            raise UsageError("--official-source needs a publishing identity; set [publishing] signing_key, "
+                             "namespace and official_source in the configuration file")
+        return development_identity(config_dir)
+    missing = [name for name in ("signing_key", "namespace", "official_source") if name not in fields]
+    if missing:
+        raise UsageError(f"[publishing] sets {', '.join(sorted(fields))} but not {', '.join(missing)}; "
+                         "a signing identity needs signing_key, namespace and official_source")
+    if fields["namespace"] == DEVELOPMENT_NAMESPACE:
+        raise UsageError(f"[publishing] namespace {DEVELOPMENT_NAMESPACE!r} is reserved for development keys")
+    key = load_private_key(Path(fields["signing_key"]).expanduser())
+    return SigningIdentity(key, fields["namespace"], official_source or fields["official_source"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flare.package.signing")
+    parser.add_argument("--development-fingerprint", action="store_true", required=True,
+                        help="print the development signing key's full SHA-256 fingerprint")
+    parser.add_argument("--config", type=Path, default=None, help="configuration file beside which the key lives")
+    args = parser.parse_args(argv)
+    try:
+        print(development_identity(config_dir_for(args.config)).public_key.fingerprint)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The export pipeline: resolve, select device, load weights, tune, compile, allocate KV, capture, export.
+
+`export_model(checkpoint_dir, recipe, options)` is what `ignition export` runs once the model is
+resolved and fetched; tests call it directly. On a CPU the tune, compile and capture phases are
+recorded as skipped with the reason, and the package serves the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flare.errors import UsageError
+from flare.package.export import ExportHooks, ExportSpec, export_entry
+from flare.package.signing import publishing_identity
+from flare.package.store import ModelCache, model_key_for
+from flare.ui.progress import PhaseProgress, format_bytes
+
+
+
+@dataclass(frozen=True)
+class RecipeFacts:
+    """What export takes from a recipe; `from_recipe` adapts the registry's Recipe and Checkpoint."""
+
+    name: str
+    model_id: str
+    alias: str | None = None
+    served_names: tuple[str, ...] = ()
+    page_size: int = 16
+    prefill_chunk: int = 512
+    default_concurrency: int = 8
+    max_concurrency: int = 64
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    decode_capacities: tuple[int, ...] = ()
+    dtype: str | None = None
+    sampling_defaults: dict = field(default_factory=dict)
+    sampling_ranges: dict = field(default_factory=dict)
+    export_repository: str | None = None
+
+    @classmethod
+    def from_resolved(cls, resolved) -> "RecipeFacts":
+        """Adapt a `flare.resolve.ResolvedModel` (its Recipe and declared Checkpoint, if any)."""
+        recipe, checkpoint = resolved.recipe, resolved.checkpoint
+        if checkpoint is not None:
+            model_id = checkpoint.served_name
+        elif resolved.repo_id:
+            model_id = resolved.repo_id
+        else:
+            model_id = Path(resolved.directory).name
+        alias = checkpoint.alias if checkpoint is not None else None
+        sampling = recipe.sampling_for(checkpoint)
+        return cls(name=recipe.family, model_id=model_id, alias=alias,
+                   served_names=tuple(dict.fromkeys(n for n in (model_id, alias) if n)),
+                   page_size=recipe.page_size, prefill_chunk=recipe.prefill_chunk,
+                   default_concurrency=recipe.concurrency.default, max_concurrency=recipe.concurrency.maximum,
+                   tensor_parallel_sizes=tuple(recipe.tensor_parallel_sizes_for(resolved.hf_config)),
+                   decode_capacities=tuple(recipe.decode_capacities),
+                   sampling_defaults=sampling.defaults(),
+                   sampling_ranges={name: list(bounds) for name, bounds in sampling.ranges.items()},
+                   export_repository=checkpoint.export_repository if checkpoint is not None else None)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parts of the configuration file export reads ([publishing], [paths], [defaults], [memory])."""
+
+    config_dir: Path
+    config_path: Path
+    publishing: dict
+    package_cache: Path
+    max_concurrency: int | None
+    memory_reserve_bytes: int
+    exists: bool
+    config: object                                 # the flare.config.Config they came from
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    max_concurrency: int | None = None
+    prefill_chunk: int | None = None
+    gpus: str | None = None
+    weight_mode: str = "normal"                    # normal, no-weights, reuse-weights
+    repo_id: str | None = None
+    official_source: str | None = None
+    publisher_keys: tuple[Path, ...] = ()
+    config_path: Path | None = None
+    cache_root: Path | None = None                 # overrides [paths] package_cache
+    dtype: str | None = None                       # overrides the device's serving dtype
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    directory: Path
+    repo_id: str | None = None
+    revision: str | None = None
+
+
+def load_settings(config_path: Path | None) -> Settings:
+    """The configuration file's values export needs (flare.config does the reading and validation)."""
+    from flare.config import load_config
+    config = load_config(config_path)
+    publishing = config.publishing
+    return Settings(config_dir=config.config_dir, config_path=config.path,
+                    publishing={"signing_key": str(publishing.signing_key), "namespace": publishing.namespace,
+                                "official_source": publishing.official_source} if publishing else {},
+                    package_cache=Path(config.paths.package_cache).expanduser(),
+                    max_concurrency=config.defaults.max_concurrency,
+                    memory_reserve_bytes=config.memory.reserve or 0, exists=config.path.is_file(),
+                    config=config)
+
+
+def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportOptions = ExportOptions(),
+                 progress: PhaseProgress | None = None, hooks: ExportHooks | None = None) -> Path:
+    """Prepare a checkpoint and publish it as the model's new default cache entry; return its path."""
+    progress = progress or PhaseProgress()
+    settings = load_settings(options.config_path)
+    if options.weight_mode not in ("normal", "no-weights", "reuse-weights"):
+        raise UsageError("--no-weights and --reuse-weights cannot be combined")
+    cache = ModelCache(options.cache_root or settings.package_cache)
+    identity = publishing_identity(settings.publishing, settings.config_dir, options.official_source)
+
+    with progress.phase("Resolve model") as phase:
+        hf_config = json.loads((source.directory / "config.json").read_text())
+        architecture = (hf_config.get("architectures") or ["unknown"])[0]
+        phase.done(f"{recipe.model_id}: {architecture} from {source.directory}"
+                   + (f" ({source.repo_id}@{source.revision})" if source.repo_id else ""))
+    with progress.phase("Select GPUs") as phase:
+        device, tensor_parallel = _select_device(options.gpus, recipe)
+        dtype = options.dtype or recipe.dtype or ("bfloat16" if device == "cuda" else "float32")
+        plan = _plan(recipe, options, settings, hf_config, dtype)
+        phase.done(f"{'CPU' if device == 'cpu' else 'GPUs ' + (options.gpus or '0')}; {dtype}; "
+                   f"concurrency {plan['max_concurrency']}, prefill chunk {plan['prefill_chunk']:,}")
+    with progress.phase("Load weights") as phase:
+        from flare.package import weights as wt
+        files = wt.checkpoint_tensor_files(source.directory)
+        groups = wt.group_by_payload(files)
+        phase.done(f"{len(files)} tensors in {len(groups)} layer payloads")
+    skip_reason = "CPU device: nothing to tune" if device == "cpu" else "no tunable kernels in this version"
+    with progress.phase("Tune kernels") as phase:
+        phase.skip(skip_reason)
+    with progress.phase("Compile forward") as phase:
+        phase.skip("CPU device: forwards run eagerly" if device == "cpu" else "forwards compile at load")
+    with progress.phase("Allocate KV cache") as phase:
+        phase.skip("pages are sized from free device memory when the package is served")
+    with progress.phase("Capture graphs") as phase:
+        phase.skip("CUDA graphs need a GPU" if device == "cpu" else "graphs are captured when serving starts")
+    reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
+    with progress.phase("Export package") as phase:
+        counts = {"written": 0, "reused": 0, "bytes": 0}
+
+        def on_payload(name: str, size: int, reused: bool) -> None:
+            counts["reused" if reused else "written"] += 1
+            counts["bytes"] += size
+            phase.update(f"Export package. {name}")
+            phase.note(f"{'reused' if reused else 'wrote'} {name} ({format_bytes(size)})")
+            if hooks and hooks.on_payload:
+                hooks.on_payload(name, size, reused)
+
+        spec = ExportSpec(
+            model_id=recipe.model_id, served_names=recipe.served_names or (recipe.model_id,),
+            checkpoint_dir=source.directory, hf_config=hf_config, plan=plan, recipe_name=recipe.name,
+            recipe_alias=recipe.alias, checkpoint_repo=source.repo_id, checkpoint_revision=source.revision,
+            repository=options.repo_id or recipe.export_repository,
+            sampling={"defaults": _sampling_defaults(recipe, source.directory), "ranges": recipe.sampling_ranges},
+            license=_license(source), tensor_parallel=tensor_parallel,
+            preparation={"device": device, "phases": progress.summary()},
+            graphs={"captured": [], "note": "decode graphs are captured when serving starts"})
+        entry = export_entry(spec, cache, identity, options.weight_mode, reuse_from, ExportHooks(on_payload))
+        phase.done(f"{counts['written']} payloads written, {counts['reused']} reused, "
+                   f"{format_bytes(counts['bytes'])}; signed by {identity.namespace}")
+    _write_initial_config(settings, recipe, plan)
+    return entry
+
+
+def _select_device(gpus: str | None, recipe: RecipeFacts) -> tuple[str, int]:
+    import torch
+    count = _count_gpus(gpus) if gpus else 1
+    if count not in recipe.tensor_parallel_sizes:
+        raise UsageError(f"--gpus {gpus} selects {count} GPUs; {recipe.name} supports tensor-parallel sizes "
+                         f"{', '.join(map(str, recipe.tensor_parallel_sizes))}")
+    if not torch.cuda.is_available():
+        if gpus:
+            raise UsageError(f"--gpus {gpus}: no CUDA GPU is visible; omit --gpus to prepare on the CPU")
+        return "cpu", 1
+    if count > torch.cuda.device_count():
+        raise UsageError(f"needs {count} GPUs; {torch.cuda.device_count()} visible; use --gpus 0-{count - 1}")
+    return "cuda", count
+
+
+def _count_gpus(gpus: str) -> int:
+    indices = set()
+    for part in gpus.split(","):
+        low, _, high = part.strip().partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise UsageError(f"--gpus {gpus} is not a list such as 0, 0,1 or 0-3")
+        indices.update(range(int(low), int(high or low) + 1))
+    return len(indices)
+
+
+def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str) -> dict:
+    configured = settings.config.setting_for_model("max_concurrency", (recipe.model_id, *recipe.served_names,
+                                                                        recipe.alias))
+    concurrency = options.max_concurrency or configured or recipe.default_concurrency
+    if not 1 <= concurrency <= recipe.max_concurrency:
+        raise UsageError(f"--max-concurrency {concurrency} is outside {recipe.name}'s range "
+                         f"1 through {recipe.max_concurrency}")
+    chunk = options.prefill_chunk or recipe.prefill_chunk
+    if options.prefill_chunk is not None and (chunk <= 0 or chunk % 64):
+        raise UsageError(f"--prefill-chunk-size {chunk} must be a positive multiple of 64")
+    return {"dtype": dtype, "page_size": recipe.page_size, "prefill_chunk": chunk,
+            "max_concurrency": concurrency, "decode_capacities": _capacities(recipe, concurrency),
+            "max_model_len": hf_config.get("max_position_embeddings"),
+            "memory_reserve_bytes": settings.memory_reserve_bytes}
+
+
+def _capacities(recipe: RecipeFacts, concurrency: int) -> list[int]:
+    """Decode batch sizes 1 through concurrency, rounded up to the recipe's captured set."""
+    captured = sorted(recipe.decode_capacities) or [2 ** i for i in range(12)]
+    covering = [size for size in captured if size >= concurrency]
+    top = covering[0] if covering else concurrency
+    return [size for size in captured if size < top] + [top]
+
+
+def _sampling_defaults(recipe: RecipeFacts, checkpoint_dir: Path) -> dict:
+    if recipe.sampling_defaults:
+        return dict(recipe.sampling_defaults)
+    path = checkpoint_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {key: config[key] for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if key in config}
+
+
+def _license(source: CheckpointSource) -> dict | None:
+    """The license the checkpoint's model card declares (its `license:` front-matter field)."""
+    readme = source.directory / "README.md"
+    if not readme.is_file():
+        return None
+    text = readme.read_text(errors="replace")
+    if not text.startswith("---"):
+        return None
+    front = text.split("---", 2)[1]
+    match = re.search(r"^license:\s*(\S+)", front, re.MULTILINE)
+    if not match:
+        return None
+    link = f"https://huggingface.co/{source.repo_id}/blob/{source.revision or 'main'}/README.md" \
+        if source.repo_id else None
+    return {"name": match.group(1).strip("'\""), "link": link}
+
+
+def _reuse_source(cache: ModelCache, recipe: RecipeFacts, options: ExportOptions):
+    """The model's cached default version, verified, for --reuse-weights."""
+    from flare.package.reader import open_package
+    from flare.package.trust import TrustOptions
+    key = model_key_for(recipe.model_id)
+    version = cache.default_version(key)
+    if version is None:
+        return None
+    trust = TrustOptions(publisher_keys=options.publisher_keys, require_acceptance=False)
+    return open_package(cache.entry_path(cache.resolve(f"{key}@{version}")), trust)
+
+
+def _write_initial_config(settings: Settings, recipe: RecipeFacts, plan: dict) -> None:
+    """The first export writes the configuration file with the resolved values as comments."""
+    if settings.exists:
+        return
+    from flare.config import write_initial_config
+    write_initial_config(settings.config_path, {
+        "defaults": {"model": recipe.alias or recipe.model_id, "max_concurrency": plan["max_concurrency"]},
+        "memory": {"reserve": str(plan["memory_reserve_bytes"])},
+        "paths": {"package_cache": str(settings.package_cache)}})

@@ -1,0 +1,276 @@
+"""What a recipe declares (spec section 9), as frozen dataclasses, and the memory cost model.
+
+Importable without torch: `ignition --help` reads these declarations. Every number a recipe states
+about a checkpoint (revision, stored bytes, sampling defaults) was looked up, never guessed; where it
+could not be confirmed the field is None and the recipe says so.
+
+The memory cost model is a set of plain functions of a checkpoint's config.json dict, so the same
+estimate serves a declared alias (its `Checkpoint.config` excerpt), a hub repository (config.json
+read from the hub) and a local directory.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+BF16_BYTES = 2
+FLOAT32_BYTES = 4
+INT32_BYTES = 4
+MIB = 1024 ** 2
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One qualified checkpoint a recipe declares.
+
+    source: "hub" (repo_id at a pinned revision) or "builtin" (built locally by `flare.demo`).
+    revision: a 40-hex commit, or None when it could not be pinned (the hub's current commit is used
+        and reported).
+    stored_bytes: bytes of tensor data in the checkpoint's safetensors files (all on the device for
+        these dense families), so the estimate needs no cached snapshot. None when unknown.
+    decode_weight_bytes: bytes of weights one decode step reads for one request across every rank.
+    config: the geometry excerpt of the checkpoint's config.json, under config.json's own key names,
+        so the memory cost model can run before anything is downloaded.
+    """
+
+    alias: str
+    architecture: str
+    served_name: str
+    source: str = "hub"
+    repo_id: str | None = None
+    revision: str | None = None
+    stored_bytes: int | None = None
+    decode_weight_bytes: int | None = None
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    export_repository: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "config", MappingProxyType(dict(self.config)))
+
+    @property
+    def context_length(self) -> int | None:
+        return self.config.get("max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ConcurrencyRange:
+    minimum: int
+    default: int
+    maximum: int
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as the recipe supports it; `available` False means decode one token a step."""
+
+    available: bool
+    default_draft_tokens: int
+    max_draft_tokens: int
+    history_drafts: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The values a request receives for fields it does not set, and the inclusive ranges it may choose from.
+
+    A parameter without a range is fixed at its default (spec section 3.3). `source` says where the
+    defaults were verified (model card or generation_config.json at the pinned revision).
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int               # 0 disables top-k
+    min_p: float
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict, compare=False)
+    source: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "ranges", MappingProxyType(dict(self.ranges)))
+
+    def defaults(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+
+# The bounds the OpenAI API itself accepts; a recipe narrows them where its model card does.
+API_SAMPLING_RANGES: Mapping[str, tuple[float, float]] = MappingProxyType({
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (0, 1_000_000),
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (1.0, 2.0),
+})
+
+
+def sampling_ranges(**narrowed: tuple[float, float]) -> dict[str, tuple[float, float]]:
+    """The API's bounds with the model card's narrower ranges applied."""
+    ranges = dict(API_SAMPLING_RANGES)
+    ranges.update(narrowed)
+    return ranges
+
+
+# Decode graphs are captured at these batch sizes: powers of two up to 8, then steps that keep the
+# padding of a partly filled batch at or below 25% while the catalog stays under twenty graphs.
+DECODE_CAPACITIES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything the command line does not need to know about a model family (spec section 9)."""
+
+    family: str
+    title: str
+    architectures: tuple[str, ...]
+    checkpoints: tuple[Checkpoint, ...]
+    tensor_parallel_sizes: tuple[int, ...]
+    concurrency: ConcurrencyRange
+    page_size: int
+    prefill_chunk: int
+    decode_capacities: tuple[int, ...]
+    speculation: Speculation
+    sampling: SamplingDefaults
+    image_support: bool = False
+    version: int = 1
+    sampling_by_alias: Mapping[str, SamplingDefaults] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "sampling_by_alias", MappingProxyType(dict(self.sampling_by_alias)))
+
+    def sampling_for(self, checkpoint: Checkpoint | None) -> SamplingDefaults:
+        """Sampling defaults for a checkpoint; a checkpoint whose card differs from the family's has its own."""
+        if checkpoint is not None and checkpoint.alias in self.sampling_by_alias:
+            return self.sampling_by_alias[checkpoint.alias]
+        return self.sampling
+
+    def tensor_parallel_sizes_for(self, hf_config: Mapping[str, Any]) -> tuple[int, ...]:
+        """The declared sizes that split this checkpoint's attention and KV heads evenly."""
+        heads = hf_config.get("num_attention_heads")
+        kv_heads = hf_config.get("num_key_value_heads", heads)
+        if not heads:
+            return self.tensor_parallel_sizes
+        return tuple(size for size in self.tensor_parallel_sizes
+                     if heads % size == 0 and kv_heads % size == 0)
+
+    def decode_capacities_for(self, max_concurrency: int) -> tuple[int, ...]:
+        """Captured batch sizes up to the first one that holds `max_concurrency` requests."""
+        last = bisect.bisect_left(self.decode_capacities, max_concurrency)
+        return self.decode_capacities[: last + 1]
+
+    # The recipe's memory cost model (spec section 9); every family here is a dense decoder, so all
+    # share the functions below. A family with other state (sliding windows, MTP heads) overrides these.
+
+    def kv_bytes_per_token(self, hf_config: Mapping[str, Any], tensor_parallel: int = 1) -> int:
+        return kv_bytes_per_token(hf_config, tensor_parallel=tensor_parallel)
+
+    def snapshot_bytes(self, hf_config: Mapping[str, Any]) -> int:
+        return snapshot_bytes(hf_config)
+
+    def live_state_bytes_per_request(self, hf_config: Mapping[str, Any], context_length: int | None = None) -> int:
+        return live_state_bytes_per_request(hf_config, self.page_size, context_length)
+
+    def graph_and_scratch_bytes(self, hf_config: Mapping[str, Any], max_concurrency: int,
+                                prefill_chunk: int | None = None, tensor_parallel: int = 1) -> int:
+        return graph_and_scratch_bytes(hf_config, max_concurrency, prefill_chunk or self.prefill_chunk,
+                                       tensor_parallel)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory cost model: plain functions of a config.json dict (dense decoder-only transformers).
+
+
+def head_dim(hf_config: Mapping[str, Any]) -> int:
+    explicit = hf_config.get("head_dim")
+    return int(explicit) if explicit else hf_config["hidden_size"] // hf_config["num_attention_heads"]
+
+
+def kv_heads(hf_config: Mapping[str, Any]) -> int:
+    return int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"])
+
+
+def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYTES,
+                       tensor_parallel: int = 1) -> int:
+    """Bytes one cached token occupies on one rank: K and V for every layer."""
+    per_rank_kv_heads = max(1, kv_heads(hf_config) // tensor_parallel)
+    return 2 * hf_config["num_hidden_layers"] * per_rank_kv_heads * head_dim(hf_config) * dtype_bytes
+
+
+def snapshot_bytes(hf_config: Mapping[str, Any]) -> int:
+    """Extra bytes a prefix-cache snapshot needs beyond its KV pages: none, snapshots borrow pages."""
+    return 0
+
+
+def live_state_bytes_per_request(hf_config: Mapping[str, Any], page_size: int,
+                                 context_length: int | None = None) -> int:
+    """Bytes held per active request slot outside the KV pages.
+
+    The float32 logits row and the int32 token counts that presence/frequency penalties need (one
+    vocabulary-sized row each), the block-table row for a full context, and a few hidden-size rows of
+    decode activations kept in the captured graphs' static buffers.
+    """
+    vocab = hf_config["vocab_size"]
+    context = context_length or hf_config.get("max_position_embeddings", 8192)
+    pages = -(-context // page_size)
+    activations = 8 * hf_config["hidden_size"] * BF16_BYTES
+    return vocab * FLOAT32_BYTES + vocab * INT32_BYTES + pages * INT32_BYTES + activations
+
+
+def activation_bytes_per_token(hf_config: Mapping[str, Any], tensor_parallel: int = 1) -> int:
+    """Peak bf16 activation bytes one token needs inside a layer: residual, q/k/v, attention out, MLP."""
+    hidden = hf_config["hidden_size"]
+    q_width = hf_config["num_attention_heads"] * head_dim(hf_config) // tensor_parallel
+    kv_width = kv_heads(hf_config) * head_dim(hf_config) // max(1, tensor_parallel)
+    mlp = 2 * hf_config["intermediate_size"] // tensor_parallel        # gate and up, fused
+    return (3 * hidden + 2 * q_width + 2 * kv_width + mlp) * BF16_BYTES
+
+
+def graph_and_scratch_bytes(hf_config: Mapping[str, Any], max_concurrency: int, prefill_chunk: int,
+                            tensor_parallel: int = 1) -> int:
+    """A cold host's estimate of compiled-graph pools and scratch on one rank.
+
+    A fixed 512 MiB for the CUDA context, cuBLAS/Triton workspaces and compiled kernels; activations
+    for one prefill chunk and for the largest decode batch; float32 logits for the decode batch.
+    """
+    fixed = 512 * MIB
+    tokens = prefill_chunk + max_concurrency
+    logits = max_concurrency * hf_config["vocab_size"] * FLOAT32_BYTES
+    return fixed + tokens * activation_bytes_per_token(hf_config, tensor_parallel) + logits
+
+
+def parameter_count(hf_config: Mapping[str, Any], lm_head_stored: bool) -> int:
+    """Parameters a dense Llama/Qwen/Mistral checkpoint stores, from config.json's shapes.
+
+    `lm_head_stored` is a fact about the checkpoint file, not the architecture: some checkpoints
+    with tied embeddings still store a copy of the output projection.
+    """
+    hidden = hf_config["hidden_size"]
+    dim = head_dim(hf_config)
+    q_width = hf_config["num_attention_heads"] * dim
+    kv_width = kv_heads(hf_config) * dim
+    attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
+    if hf_config.get("attention_bias") or hf_config.get("model_type") == "qwen2":
+        attention += q_width + 2 * kv_width                         # q/k/v biases
+    if hf_config.get("model_type") == "qwen3":
+        attention += 2 * dim                                        # per-head q and k RMSNorm
+    mlp = 3 * hidden * hf_config["intermediate_size"]
+    layer = attention + mlp + 2 * hidden                            # two RMSNorms
+    embedding = hf_config["vocab_size"] * hidden
+    head = embedding if lm_head_stored else 0
+    return embedding + hf_config["num_hidden_layers"] * layer + hidden + head
+
+
+def decode_weight_bytes(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYTES) -> int:
+    """Weight bytes one decode step reads for one request: every matrix except the embedding table
+    (one row per token), plus the output projection once, whether tied or stored separately."""
+    # The embedding table's bytes stand in for the output projection's: the same vocab x hidden shape.
+    return parameter_count(hf_config, lm_head_stored=False) * dtype_bytes

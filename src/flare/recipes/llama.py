@@ -1,0 +1,61 @@
+"""Llama 3.x models (LlamaForCausalLM): GQA, no attention bias, llama3 RoPE scaling."""
+
+from __future__ import annotations
+
+from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
+                                Speculation, decode_weight_bytes, sampling_ranges)
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def _config(hidden, layers, heads, head_dim, intermediate, tied):
+    """Llama 3.1/3.2 share 8 KV heads, a 128,256-token vocabulary and 131,072 positions."""
+    return {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": head_dim,
+            "intermediate_size": intermediate, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "tie_word_embeddings": tied, "attention_bias": False, "torch_dtype": "bfloat16"}
+
+
+def _checkpoint(alias, served_name, revision, stored_bytes, config):
+    return Checkpoint(alias=alias, architecture=ARCHITECTURE, served_name=served_name,
+                      repo_id=f"meta-llama/{served_name}", revision=revision, stored_bytes=stored_bytes,
+                      decode_weight_bytes=decode_weight_bytes(config), config=config)
+
+
+# Revisions are commits quoted for these (gated) repositories in public code. stored_bytes:
+# Llama-3.1-8B/70B-Instruct's and Llama-3.2-3B-Instruct's are their published tensor totals;
+# Llama-3.2-1B-Instruct's is computed from the config's shapes in bfloat16 (tied, no stored output
+# projection), matching its published 1.24B parameters. The tests recompute all three.
+CHECKPOINTS = (
+    _checkpoint("llama-3.2-1b-instruct", "Llama-3.2-1B-Instruct", "9213176726f574b556790deb65791e0c5aa438b6",
+                2_471_628_800, _config(2048, 16, 32, 64, 8192, tied=True)),
+    _checkpoint("llama-3.2-3b-instruct", "Llama-3.2-3B-Instruct", "0cb88a4f764b7a12671c53f0838cd831a0843b95",
+                6_425_499_648, _config(3072, 28, 24, 128, 8192, tied=True)),
+    _checkpoint("llama-3.1-8b-instruct", "Llama-3.1-8B-Instruct", "0e9e39f249a16976918f6564b8830bc894c89659",
+                16_060_522_496, _config(4096, 32, 32, 128, 14336, tied=False)),
+    _checkpoint("llama-3.1-70b-instruct", "Llama-3.1-70B-Instruct", "1605565b47bb9346c5515c34102e054115b4f98b",
+                141_107_412_992, _config(8192, 80, 64, 128, 28672, tied=False)),
+)
+
+# generation_config.json of the Llama 3.1/3.2 Instruct checkpoints: temperature 0.6, top-p 0.9
+# (no top-k, no min-p). The cards give no ranges, so the API's own apply.
+SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=0, min_p=0.0, ranges=sampling_ranges(),
+                            source="generation_config.json of Llama-3.1-8B-Instruct")
+
+RECIPE = Recipe(
+    family="llama",
+    title="Llama 3.x",
+    architectures=(ARCHITECTURE,),
+    checkpoints=CHECKPOINTS,
+    tensor_parallel_sizes=(1, 2, 4, 8),        # limited per checkpoint by its 8 KV heads
+    concurrency=ConcurrencyRange(minimum=1, default=32, maximum=256),
+    page_size=16,
+    # 2,048 rather than Qwen's 4,096: while a chunk runs, every active request waits for its next
+    # token, and with a 128k context the long-prompt case is common; half the chunk halves that stall
+    # at the cost of one more step per 4,096 prompt tokens.
+    prefill_chunk=2048,
+    decode_capacities=DECODE_CAPACITIES,
+    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
+                            note="Llama 3.x ships no draft model"),
+    sampling=SAMPLING,
+)

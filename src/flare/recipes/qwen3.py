@@ -1,0 +1,66 @@
+"""Qwen3 dense models (Qwen3ForCausalLM): GQA with per-head q/k RMSNorm, no attention bias."""
+
+from __future__ import annotations
+
+from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
+                                Speculation, decode_weight_bytes, sampling_ranges)
+
+ARCHITECTURE = "Qwen3ForCausalLM"
+
+
+def _config(hidden, layers, heads, intermediate, tied):
+    """The geometry of a Qwen3 dense config.json (every size shares head_dim 128, 8 KV heads, 40,960 positions)."""
+    return {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": intermediate, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "tie_word_embeddings": tied, "torch_dtype": "bfloat16"}
+
+
+def _checkpoint(alias, served_name, revision, stored_bytes, config):
+    return Checkpoint(alias=alias, architecture=ARCHITECTURE, served_name=served_name,
+                      repo_id=f"Qwen/{served_name}", revision=revision, stored_bytes=stored_bytes,
+                      decode_weight_bytes=decode_weight_bytes(config), config=config)
+
+
+# Revisions are commits quoted for these repositories in public code (snapshot paths and
+# `revision=` pins). stored_bytes is the safetensors tensor data at that revision, as its index's
+# total_size (or the single file's data) reports; the tests recompute each from the config's shapes.
+# Qwen3-0.6B and 1.7B store a copy of the tied output projection; Qwen3-4B does not.
+CHECKPOINTS = (
+    _checkpoint("qwen3-0.6b", "Qwen3-0.6B", "c1899de289a04d12100db370d81485cdf75e47ca",
+                1_503_264_768, _config(1024, 28, 16, 3072, tied=True)),
+    _checkpoint("qwen3-1.7b", "Qwen3-1.7B", "70d244cc86ccca08cf5af4e1e306ecf908b1ad5e",
+                4_063_479_808, _config(2048, 28, 16, 6144, tied=True)),
+    _checkpoint("qwen3-4b", "Qwen3-4B", "1cfa9a7208912126459214e8b04321603b3df60c",
+                8_044_936_192, _config(2560, 36, 32, 9728, tied=True)),
+    _checkpoint("qwen3-8b", "Qwen3-8B", "b968826d9c46dd6066d109eabc6255188de91218",
+                16_381_470_720, _config(4096, 36, 32, 12288, tied=False)),
+    _checkpoint("qwen3-14b", "Qwen3-14B", "40c069824f4251a91eefaf281ebe4c544efd3e18",
+                29_536_614_400, _config(5120, 40, 40, 17408, tied=False)),
+    _checkpoint("qwen3-32b", "Qwen3-32B", "9216db5781bf21249d130ec9da846c4624c16137",
+                65_524_246_528, _config(5120, 64, 64, 25600, tied=False)),
+)
+
+# The model card's thinking-mode settings, also the generation_config.json defaults: temperature 0.6,
+# top-p 0.95, top-k 20, min-p 0, and "DO NOT use greedy decoding". The card lets presence_penalty
+# range over 0 to 2; other ranges are the API's own.
+SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0,
+                            ranges=sampling_ranges(presence_penalty=(0.0, 2.0)),
+                            source="Qwen3 model card (thinking mode) and generation_config.json")
+
+RECIPE = Recipe(
+    family="qwen3",
+    title="Qwen3 dense",
+    architectures=(ARCHITECTURE,),
+    checkpoints=CHECKPOINTS,
+    tensor_parallel_sizes=(1, 2, 4, 8),        # further limited per checkpoint by its 8 KV heads
+    concurrency=ConcurrencyRange(minimum=1, default=32, maximum=256),
+    page_size=16,
+    # Spec section 4 fixes 4,096 tokens for Qwen: a long prompt reaches its first token in fewer steps,
+    # and at these sizes one 4,096-token chunk still stalls concurrent decodes only briefly.
+    prefill_chunk=4096,
+    decode_capacities=DECODE_CAPACITIES,
+    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
+                            note="Qwen3 dense ships no draft model"),
+    sampling=SAMPLING,
+)
