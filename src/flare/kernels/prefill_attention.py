@@ -160,11 +160,17 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     if num_tokens == 0 or batch == 0:
         return out
     on_cpu = q.device.type == "cpu"                               # small tiles keep the interpreter fast
-    # GPU tiles: the best of a sweep on an H200 (benchmarks/results/prefill_sweep.json), 128 x 128 with
-    # 8 warps and 3 stages, for chunks of 512 to 8192 tokens with and without a cached prefix.
-    block_m = block_m or (16 if on_cpu else 128)
-    block_n = block_n or (16 if on_cpu else 128)
-    launch = {} if on_cpu else {"num_warps": num_warps or 8, "num_stages": num_stages or 3}
+    # GPU tiles for 2-byte types: the best of a sweep on an H200 (benchmarks/results/prefill_sweep.json),
+    # 128 x 128 with 8 warps and 3 stages, for chunks of 512 to 8192 tokens with and without a prefix.
+    # float32 (tests only) takes 64 x 64 tiles and 2 stages: the same shared memory in bytes.
+    wide = q.element_size() > 2
+    if on_cpu:
+        tiles, launch = (16, 16), {}
+    elif wide:
+        tiles, launch = (64, 64), {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
+    else:
+        tiles, launch = (128, 128), {"num_warps": num_warps or 8, "num_stages": num_stages or 3}
+    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
