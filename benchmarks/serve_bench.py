@@ -55,9 +55,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def make_prompts(count: int, input_len: int, vocab_size: int, seed: int, tokenizer_dir: str | None):
+def make_prompts(count: int, input_len: int, vocab_size: int, seed: int, tokenizer_dir: str | None,
+                 shared_prefix_len: int = 0, prefix_seed: int = 0):
+    """Random prompts of input_len ids; the first shared_prefix_len ids (drawn from prefix_seed) are the
+    same in every prompt of every level, like a system prompt, so a prefix cache can skip them."""
+    prefix_rng = random.Random(prefix_seed)
+    prefix = [prefix_rng.randrange(100, vocab_size) for _ in range(min(shared_prefix_len, input_len))]
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(count)]
+    prompts = [prefix + [rng.randrange(100, vocab_size) for _ in range(input_len - len(prefix))]
+               for _ in range(count)]
     if tokenizer_dir is None:
         return prompts
     from tokenizers import Tokenizer
@@ -174,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-prompts", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32000, help="random prompt ids are drawn below this")
     parser.add_argument("--tokenizer", default=None, help="send text prompts decoded with DIR/tokenizer.json")
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="leading prompt tokens common to every request (exercises the prefix cache)")
     parser.add_argument("--warmup-requests", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="JSON results")
@@ -186,13 +194,15 @@ def main(argv=None) -> int:
     summaries = []
     for concurrency in levels:
         count = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
-        prompts = make_prompts(count, args.input_len, args.vocab_size, args.seed + concurrency, args.tokenizer)
+        prompts = make_prompts(count, args.input_len, args.vocab_size, args.seed + concurrency, args.tokenizer,
+                               args.shared_prefix_len, prefix_seed=args.seed)
         results, duration = asyncio.run(run_level(args.base_url, args.model, prompts, args.output_len,
                                                   concurrency, args.api_key))
         summaries.append(summarize(concurrency, results, duration, args.output_len))
         print(table(summaries[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     document = {"benchmark": "serve", "base_url": args.base_url, "model": args.model,
                 "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": True,
+                "shared_prefix_len": args.shared_prefix_len,
                 "prompt_form": "text" if args.tokenizer else "token ids",
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "levels": summaries}
     print(table(summaries))

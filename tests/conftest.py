@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Without a GPU, Triton kernels run in Triton's interpreter; that must be chosen before triton is
+# first imported, by any test module.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
@@ -32,8 +38,6 @@ def isolated_home(tmp_path_factory, monkeypatch) -> Path:
 @pytest.fixture(autouse=True)
 def restore_environment():
     """Commands run in-process set library variables from the configuration; undo that after each test."""
-    import os
-
     saved = dict(os.environ)
     yield
     os.environ.clear()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from flare.bench import BenchConfig, median_and_iqr, parse_int_list, run_bench
 from flare.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class CountingTarget:
@@ -163,3 +166,74 @@ def test_model_decode_step_continues_its_prefilled_context(tmp_path):
         hidden = model(tokens.flatten(), meta.positions(), caches, meta)
         expected = model.compute_logits(hidden[[20, 41]]).argmax(dim=-1)
     assert torch.equal(first, expected)
+
+
+def test_bench_without_a_gpu_is_a_usage_error(capsys):
+    import torch
+
+    from flare.cli.ignition import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "--batches", "1", "--contexts", "128"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_serving_benchmark_measures_a_streaming_server(tmp_path, monkeypatch):
+    """benchmarks/serve_bench.py against a small OpenAI-style streaming server on loopback."""
+    import asyncio
+    import importlib.util
+    import socket
+    import sys
+    import threading
+    import time as time_module
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    seen = []
+
+    async def completions(request):
+        body = await request.json()
+        seen.append(body)
+
+        async def events():
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(0.001)
+                yield 'data: {"choices": [{"index": 0, "text": " a"}]}\n\n'
+            yield f'data: {{"choices": [], "usage": {{"completion_tokens": {body["max_tokens"]}}}}}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time_module.sleep(0.01)
+    try:
+        spec = importlib.util.spec_from_file_location("serve_bench", REPO / "benchmarks" / "serve_bench.py")
+        serve_bench = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, "serve_bench", serve_bench)     # dataclasses look their module up
+        spec.loader.exec_module(serve_bench)
+        output = tmp_path / "serve.json"
+        code = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--input-len", "12",
+                                 "--output-len", "5", "--concurrency", "1,3", "--min-prompts", "3",
+                                 "--prompts-per-concurrency", "1", "--warmup-requests", "0",
+                                 "--shared-prefix-len", "4", "--output", str(output)])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+    assert code == 0
+    levels = json.loads(output.read_text())["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 3]
+    assert all(level["failed"] == 0 and level["output_tokens"] == 5 * level["requests"] for level in levels)
+    assert all(level["ttft_ms"]["p50"] > 0 and level["itl_ms"]["p99"] >= level["itl_ms"]["p50"] for level in levels)
+    assert all(body["ignore_eos"] and body["stream"] and len(body["prompt"]) == 12 for body in seen)
+    assert len({tuple(body["prompt"][:4]) for body in seen}) == 1          # the shared prefix

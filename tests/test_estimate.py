@@ -178,3 +178,19 @@ def test_oom_options_leave_room_for_the_failed_allocation():
     room = memory_budget(gpu(95.6), GiB, reserve=reserve).available - SPEC_EXAMPLE.requirement().total
     before = budgets[0].available - SPEC_EXAMPLE.requirement().total
     assert reserve < gib(8) and room >= before + 2 * GiB
+
+
+def test_checkpoint_weight_bytes_come_from_headers_or_the_index(tmp_path):
+    import json as json_module
+
+    import torch
+    from safetensors.torch import save_file
+
+    from flare.estimate import checkpoint_weight_bytes
+
+    save_file({"a": torch.zeros(10, 4), "b": torch.zeros(3, dtype=torch.bfloat16)}, tmp_path / "one.safetensors")
+    save_file({"c": torch.zeros(5, dtype=torch.int64)}, tmp_path / "two.safetensors")
+    assert checkpoint_weight_bytes(tmp_path) == 10 * 4 * 4 + 3 * 2 + 5 * 8
+    (tmp_path / "model.safetensors.index.json").write_text(json_module.dumps(
+        {"metadata": {"total_size": 12345}, "weight_map": {"a": "one.safetensors"}}))
+    assert checkpoint_weight_bytes(tmp_path) == 12345

@@ -94,7 +94,9 @@ class AsyncEngine:
         return self._ready.eos_token_ids
 
     def stats(self) -> EngineStats:
-        """Running and waiting requests and KV pages in use, as of the core's latest report."""
+        """The core's numbers as of its latest report: running and waiting requests, KV pages in use, and
+        the prefix cache's counters (hit and miss prompt tokens, evicted pages) and resident pages.
+        What bound the KV pool at startup is `engine_config.kv_pool_limited_by`."""
         return self._stats
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],

@@ -1,7 +1,9 @@
 """The Triton attention backend: the AttentionBackend contract on our paged kernels.
 
 Writes the new K/V at slot_mapping, then runs split-K decode attention when every sequence brings one
-new token, and prefill/extend attention otherwise. Hot path: nothing here but dispatch.
+new token, and prefill/extend attention otherwise. The work is one custom operator,
+`torch.ops.flare.paged_attention`, so torch.compile traces around it without a graph break.
+Hot path: nothing here but dispatch.
 """
 
 from __future__ import annotations
@@ -11,26 +13,45 @@ import torch
 from flare.engine.attention import AttentionBackend, AttentionMetadata
 
 
+@torch.library.custom_op("flare::paged_attention", mutates_args=("kv_cache",))
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    slot_mapping: torch.Tensor, scale: float, max_query_len: int,
+                    decode_splits: int) -> torch.Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D], kv_cache [2, pages, page_size, Hkv, D] -> [T, Hq, D]."""
+    from flare.kernels.decode_attention import decode_attention
+    from flare.kernels.prefill_attention import prefill_attention, write_kv
+
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), k_cache, v_cache, slot_mapping)
+    if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
+        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits)
+    return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                             max_query_len=max_query_len)
+
+
+@paged_attention.register_fake
+def _paged_attention_shape(query, key, value, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+                           scale, max_query_len, decode_splits):
+    return torch.empty_like(query)
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention through the Triton kernels of flare.kernels (CUDA; Triton's interpreter on CPU).
 
-    decode_splits fixes the split-K count of decode attention. A captured CUDA graph needs it fixed:
-    pass choose_num_splits(batch, num_kv_heads, longest context the graph serves). Left None, it is
-    chosen per call from meta.max_seq_len.
+    decode_splits fixes the split-K count of decode attention. A captured or compiled decode step needs
+    it fixed: pass choose_num_splits(batch, num_kv_heads, longest context served). Left None, it is
+    chosen per call from meta.max_seq_len (under torch.compile that value then becomes a guard).
     """
 
     def __init__(self, decode_splits: int | None = None):
         self.decode_splits = decode_splits
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        from flare.kernels.decode_attention import choose_num_splits, decode_attention
-        from flare.kernels.prefill_attention import prefill_attention, write_kv
+        from flare.kernels.decode_attention import choose_num_splits
 
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), k_cache, v_cache, meta.slot_mapping)
-        batch = meta.seq_lens.shape[0]
-        if meta.max_query_len == 1 and query.shape[0] == batch:
-            splits = self.decode_splits or choose_num_splits(batch, k_cache.shape[2], meta.max_seq_len)
-            return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits)
-        return prefill_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                 meta.block_tables, scale, max_query_len=meta.max_query_len)
+        splits = self.decode_splits
+        if splits is None:
+            splits = choose_num_splits(meta.seq_lens.shape[0], kv_cache.shape[3], meta.max_seq_len)
+        return paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
+                               meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits)

@@ -1,27 +1,47 @@
-"""The engine's own settings: batch shape, KV pages and length limits. Frozen: built once per engine."""
+"""The engine's own settings: batch shape, KV pages, length limits and scheduler policy.
+
+Frozen: built once per engine. `engine_config_for_pool` turns a startup KV pool sizing
+(`flare.memory.size_kv_pool`) into an EngineConfig that says which limit bound the pool.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
+from flare.engine.policy import SchedulerPolicy
 from flare.errors import UsageError
+
+KVPoolLimit = Literal["memory", "context", "concurrency"]
+KV_POOL_LIMITS = ("memory", "context", "concurrency")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_concurrency: int = 8            # requests running at once (decode batch size)
     page_size: int = 16                 # tokens per KV page
-    num_pages: int = 256                # KV pages in the cache, shared by all requests
+    num_pages: int = 256                # KV pages in the cache, shared by all requests and cached prefixes
     prefill_chunk: int = 512            # most prompt tokens one request computes in one step
     max_num_batched_tokens: int = 2048  # token budget of one step, decode and prefill together
     max_model_len: int = 2048           # prompt plus output, per request
     enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
+    scheduler_policy: SchedulerPolicy = field(default_factory=SchedulerPolicy)
+    prepared_concurrency: int | None = None   # the package's captured capacity; None: no package
+    kv_pool_limited_by: KVPoolLimit = "memory"   # what bound num_pages at startup (for the report)
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "page_size", "num_pages", "prefill_chunk",
                      "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise UsageError(f"engine setting {name} must be at least 1, got {getattr(self, name)}")
+        if self.prepared_concurrency is not None and self.max_concurrency > self.prepared_concurrency:
+            raise UsageError(
+                f"--max-concurrency {self.max_concurrency} exceeds the package's prepared concurrency "
+                f"{self.prepared_concurrency}; choose {self.prepared_concurrency} or less, or export the "
+                f"package again with --max-concurrency {self.max_concurrency}")
+        if self.kv_pool_limited_by not in KV_POOL_LIMITS:
+            raise UsageError(f"kv_pool_limited_by {self.kv_pool_limited_by!r}: "
+                             f"choose one of {', '.join(KV_POOL_LIMITS)}")
         if self.max_num_batched_tokens < self.max_concurrency:
             # Every running request decodes one token per step; the budget must cover all of them.
             raise UsageError(
@@ -41,3 +61,26 @@ class EngineConfig:
     @property
     def max_pages_per_request(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+
+def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int, prefill_chunk: int,
+                           max_num_batched_tokens: int | None = None,
+                           prepared_concurrency: int | None = None,
+                           scheduler_policy: SchedulerPolicy | None = None,
+                           enable_prefix_caching: bool = True) -> EngineConfig:
+    """The EngineConfig for a KV pool sized at startup (`flare.memory.KVPool`: pages, page_size, limited_by).
+
+    The pool is the shared page supply for active requests and cached history. The served context is
+    the prepared context, or what the pool holds if that is less (spec §4 "Context limit"), so one
+    request of the served length always fits: the oldest running request is never preempted, and it
+    can grow into every page. `limited_by` ("memory", "context ceiling", "concurrency ceiling")
+    becomes `kv_pool_limited_by` ("memory", "context", "concurrency") for the startup report.
+    """
+    limited_by = str(pool.limited_by).removesuffix(" ceiling")
+    served_context = min(prepared_context, pool.pages * pool.page_size)
+    budget = max_num_batched_tokens if max_num_batched_tokens is not None else max(prefill_chunk, max_concurrency)
+    return EngineConfig(max_concurrency=max_concurrency, page_size=pool.page_size, num_pages=pool.pages,
+                        prefill_chunk=prefill_chunk, max_num_batched_tokens=budget, max_model_len=served_context,
+                        enable_prefix_caching=enable_prefix_caching,
+                        scheduler_policy=scheduler_policy or SchedulerPolicy(),
+                        prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by)

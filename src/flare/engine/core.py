@@ -31,11 +31,18 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_pages_used: int
+    """The core's numbers after its latest step. Counters only grow; gauges are the state now."""
+
+    num_running: int                        # gauge
+    num_waiting: int                        # gauge
+    kv_pages_used: int                      # gauge: pages requests hold (resident cache pages nobody uses excluded)
     kv_pages_total: int
-    num_preemptions: int
+    num_preemptions: int                    # counter
+    prefix_cache_hit_tokens: int = 0        # counter: prompt tokens served from the prefix cache
+    prefix_cache_miss_tokens: int = 0       # counter: prompt tokens computed (hits + misses = prompt tokens)
+    prefix_cache_evicted_pages: int = 0     # counter: cached pages reclaimed for new content
+    prefix_cache_resident_pages: int = 0    # gauge: pages holding reusable cached content, in use or not
+    num_computed_tokens: int = 0            # counter: tokens the model computed (prefill and decode)
 
 
 class EngineCore:
@@ -48,6 +55,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._num_preemptions = 0
+        self._num_computed_tokens = 0
 
     def add_request(self, engine_request: EngineRequest) -> None:
         self._validate(engine_request)
@@ -89,8 +97,15 @@ class EngineCore:
                     f"request {request.request_id!r} computed {request.num_computed_tokens} tokens but holds {held} pages")
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.allocator.num_used_pages, self.allocator.num_pages, self._num_preemptions)
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_pages,
+            num_preemptions=self._num_preemptions,
+            prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            prefix_cache_miss_tokens=self.scheduler.num_prefix_miss_tokens,
+            prefix_cache_evicted_pages=self.allocator.num_evicted_pages,
+            prefix_cache_resident_pages=self.allocator.num_cached_pages,
+            num_computed_tokens=self._num_computed_tokens)
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -104,6 +119,7 @@ class EngineCore:
         for chunk in scheduled.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
+            self._num_computed_tokens += chunk.num_new_tokens
             self.allocator.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if request.request_id in result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])

@@ -8,14 +8,21 @@ reference count. A page is in exactly one of three places:
 * one or more page tables (refcount = the number of requests using it).
 
 Prefix cache: every full page of computed tokens gets a content hash chained over all pages before
-it, so equal hashes mean equal prefixes. A new request pins the cached pages of its longest cached
-prefix (`match_prefix`); unreferenced cached pages are evicted least recently used first when free
-pages run out. Hashes are Python's `hash` of (previous hash, page tokens): deterministic for ints and
-tuples, and private to the engine-core process, so nothing persists or crosses a process boundary.
+it, so equal hashes mean equal prefixes. Pages are hashed as they fill (`commit`), prompt and output
+tokens alike, so a finished exchange leaves its prompt and its answer resident: the next turn of a
+conversation, whose prompt repeats both, finds them. A new request pins the cached pages of its
+longest cached prefix (`match_prefix`); when a request is freed its cached pages become evictable,
+and they are evicted least recently used first only when free pages run out.
+
+A page hash is SHA-256 over the previous page's hash and the page's token ids: a collision would
+silently serve another prompt's KV, so a 64-bit hash is not enough. Hashes are private to the
+engine-core process; nothing persists or crosses a process boundary.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
@@ -33,9 +40,10 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()   # least recently used first
         self._page_tables: dict[str, list[int]] = {}
-        self._hash_chains: dict[str, list[int]] = {}               # request -> hashes of its full pages
-        self._page_of_hash: dict[int, int] = {}
-        self._hash_of_page: dict[int, int] = {}
+        self._hash_chains: dict[str, list[bytes]] = {}             # request -> hashes of its full pages
+        self._page_of_hash: dict[bytes, int] = {}
+        self._hash_of_page: dict[int, bytes] = {}
+        self.num_evicted_pages = 0                                 # counter: cached pages reclaimed
 
     # ---- questions -------------------------------------------------------------------------------
 
@@ -46,7 +54,13 @@ class PageAllocator:
 
     @property
     def num_used_pages(self) -> int:
+        """Pages some request holds (cached pages nobody uses do not count)."""
         return self.num_pages - self.num_free_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages holding reusable cached content, whether a request uses them now or not."""
+        return len(self._hash_of_page)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -168,6 +182,7 @@ class PageAllocator:
         else:
             page, _ = self._evictable.popitem(last=False)
             del self._page_of_hash[self._hash_of_page.pop(page)]
+            self.num_evicted_pages += 1
         self._refcounts[page] = 1
         return page
 
@@ -176,7 +191,8 @@ class PageAllocator:
             del self._evictable[page]
         self._refcounts[page] += 1
 
-    def _hash_page(self, chain: list[int], token_ids: Sequence[int], index: int) -> int:
-        previous = chain[-1] if chain else None
+    def _hash_page(self, chain: list[bytes], token_ids: Sequence[int], index: int) -> bytes:
         start = index * self.page_size
-        return hash((previous, tuple(token_ids[start:start + self.page_size])))
+        digest = hashlib.sha256(chain[-1] if chain else b"")
+        digest.update(array("q", token_ids[start:start + self.page_size]).tobytes())
+        return digest.digest()

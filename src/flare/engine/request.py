@@ -43,6 +43,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens served from the prefix cache, first admission
         self.num_preemptions = 0
+        self.terminal_since: float | None = None   # clock time the scheduler first saw it one token from the end
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
         self.generator = None               # torch.Generator for a seeded request, made by the runner
@@ -69,6 +70,10 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """True while some prompt position still lacks its logprob (survives preemption: never recomputed)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """Most tokens it may still sample: under max_tokens and under the context limit."""
+        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,19 +1,29 @@
 """Continuous-batching scheduler: which requests compute how many tokens in the next step.
 
-Policy, in order:
-1. Running requests (oldest first) each get their uncomputed tokens, at most `prefill_chunk`, within
-   the step's token budget. When pages run out, the newest running request is preempted: its pages
-   are freed and it waits, at the head of the queue, to recompute prompt and output tokens (nothing
-   it generated is lost). A request that would have to preempt itself is preempted instead.
-2. If nobody was preempted, waiting requests are admitted first come, first served while there is
-   room (concurrency, budget, pages). The head of the queue is never skipped, so nobody starves.
+A step, in order (the policy, `flare.engine.policy`, sets the prefill cap and the retirement values):
+1. Decodes: every running request with one token left to compute gets it.
+2. Running requests with more to compute (chunked prefill, or recomputation after a preemption),
+   terminal ones first by retirement value, then in admission order, each at most `prefill_chunk`,
+   within the step budget and the policy's prefill cap (a terminal request may exceed the cap by its
+   retirement value).
+3. If nobody was preempted, waiting requests are admitted first come, first served while there is
+   room (concurrency, budget, prefill cap, pages). The head of the queue is never skipped, so nobody
+   starves. Admission pins the longest cached prefix of the request's tokens and computes the rest;
+   the last token is always computed, since sampling needs its logits.
+
+When pages run out for a request, a request admitted after it is preempted: the one with the lowest
+retirement value, the newest among equals. Its pages are freed (cached ones stay resident) and it
+waits at the head of the queue to recompute prompt and output tokens (nothing it generated is lost).
+A request with nobody newer to preempt preempts itself, so the oldest running request always progresses.
 
 The scheduler never touches pages: it asks the allocator yes/no questions and hands it request ids.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flare.engine.config import EngineConfig
@@ -50,47 +60,78 @@ class SchedulerOutput:
         return sum(chunk.num_new_tokens for chunk in self.chunks)
 
 
+@dataclass
+class _StepPlan:
+    """The step being planned: its chunks by request id and what is left of its budgets."""
+
+    budget: int
+    prefill_left: int = 0
+    chunks: dict[str, tuple[ScheduledChunk, bool]] = field(default_factory=dict)   # id -> (chunk, is prefill)
+    preempted: list[str] = field(default_factory=list)
+
+    def add(self, chunk: ScheduledChunk, prefill: bool) -> None:
+        self.chunks[chunk.request.request_id] = (chunk, prefill)
+        self.budget -= chunk.num_new_tokens
+        if prefill:
+            self.prefill_left = max(0, self.prefill_left - chunk.num_new_tokens)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a chunk of a request preempted later in the planning; its tokens go back to the budget."""
+        chunk, prefill = self.chunks.pop(request_id, (None, False))
+        if chunk is not None:
+            self.budget += chunk.num_new_tokens
+            if prefill:
+                self.prefill_left += chunk.num_new_tokens
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator) -> None:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.policy = config.scheduler_policy
         self.allocator = allocator
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_prefix_hit_tokens = 0      # counter: prompt tokens served from the prefix cache
+        self.num_prefix_miss_tokens = 0     # counter: prompt tokens that had to be computed
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self._observe_terminal(request, self.clock())       # a one-token request is terminal on arrival
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
-        for request in list(self.running):
+        now = self.clock()
+        for request in self.running:
+            self._observe_terminal(request, now)
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        for request in [r for r in self.running if r.num_uncomputed_tokens == 1]:
+            if request.status is RequestStatus.RUNNING and step.budget > 0:
+                self._schedule_running(request, 1, False, step, now)
+        step.prefill_left = self.policy.prefill_cap(self.config.max_num_batched_tokens, self.config.prefill_chunk,
+                                                    anyone_decoding=bool(step.chunks))
+        prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        prefilling.sort(key=lambda r: -self._retirement_value(r, now))      # stable: admission order among equals
+        for request in prefilling:
             if request.status is not RequestStatus.RUNNING:
                 continue                                    # preempted earlier in this loop
-            num_new = min(request.num_uncomputed_tokens, self.config.prefill_chunk, budget)
-            if num_new <= 0:
-                continue
-            if not self._make_room(request, request.num_computed_tokens + num_new, preempted):
-                continue                                    # it preempted itself
-            self.allocator.allocate(request.request_id, request.num_computed_tokens + num_new)
-            chunks.append(ScheduledChunk.of(request, num_new))
-            budget -= num_new
+            num_new = self._prefill_size(request, step, now)
+            if num_new > 0:
+                self._schedule_running(request, num_new, True, step, now)
         # Admitting new work right after a preemption would only cause the next one.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_concurrency:
-            chunk = self._admit(self.waiting[0], budget)
-            if chunk is None:
+        while (not step.preempted and self.waiting and step.budget > 0
+               and len(self.running) < self.config.max_concurrency):
+            if not self._admit(self.waiting[0], step, now):
                 break
             self.waiting.popleft()
-            chunks.append(chunk)
-            budget -= chunk.num_new_tokens
-        return SchedulerOutput(tuple(chunks), tuple(preempted))
+        return SchedulerOutput(tuple(chunk for chunk, _ in step.chunks.values()), tuple(step.preempted))
 
     def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request and give back its pages."""
+        """Remove a finished or aborted request and give back its pages (its cached pages stay resident)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -100,17 +141,45 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _make_room(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
-        """Preempt the newest running requests until `request` can hold `num_tokens`; False if it went itself."""
+    def _observe_terminal(self, request: Request, now: float) -> None:
+        if request.terminal_since is None and request.tokens_left(self.config.max_model_len) <= 1:
+            request.terminal_since = now
+
+    def _retirement_value(self, request: Request, now: float) -> float:
+        age = None if request.terminal_since is None else now - request.terminal_since
+        return self.policy.retirement_value(age)
+
+    def _prefill_size(self, request: Request, step: _StepPlan, now: float) -> int:
+        """Prompt tokens `request` computes this step: a chunk, within the budget and the prefill cap."""
+        allowance = step.prefill_left + int(self._retirement_value(request, now))
+        return min(request.num_uncomputed_tokens, self.config.prefill_chunk, step.budget, allowance)
+
+    def _schedule_running(self, request: Request, num_new: int, prefill: bool, step: _StepPlan, now: float) -> None:
+        target = request.num_computed_tokens + num_new
+        if not self._make_room(request, target, step, now):
+            return                                          # it preempted itself
+        self.allocator.allocate(request.request_id, target)
+        step.add(ScheduledChunk.of(request, num_new), prefill)
+
+    def _make_room(self, request: Request, num_tokens: int, step: _StepPlan, now: float) -> bool:
+        """Preempt newer running requests until `request` can hold `num_tokens`; False if it went itself."""
         while not self.allocator.can_allocate(request.request_id, num_tokens):
-            victim = self.running[-1]
-            self._preempt(victim)
-            preempted.append(victim.request_id)
+            victim = self._victim(request, now)
+            self._preempt(victim, step)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _victim(self, request: Request, now: float) -> Request:
+        """Among requests admitted after `request`, the lowest retirement value, newest first; else itself."""
+        newer = self.running[self.running.index(request) + 1:]
+        if not newer:
+            return request
+        return min(reversed(newer), key=lambda r: self._retirement_value(r, now))
+
+    def _preempt(self, request: Request, step: _StepPlan) -> None:
+        step.drop(request.request_id)
+        step.preempted.append(request.request_id)
         self.running.remove(request)
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
@@ -118,24 +187,27 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
-        """Try to start (or resume) the head of the queue; None if its next chunk does not fit now."""
+    def _admit(self, request: Request, step: _StepPlan, now: float) -> bool:
+        """Try to start (or resume) the head of the queue; False if its next chunk does not fit now."""
         # Keep the last token uncached: its logits are needed to sample. Prompt logprobs need every
         # prompt position's logits, so a request still wanting them takes nothing from the cache.
         reusable = 0 if request.wants_prompt_logprobs else request.num_tokens - 1
         cached = self.allocator.match_prefix(request.request_id, request.all_token_ids, reusable)
         request.num_computed_tokens = cached
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = cached
-        num_new = min(request.num_uncomputed_tokens, self.config.prefill_chunk, budget)
-        if not self.allocator.can_allocate(request.request_id, cached + num_new):
+        num_new = self._prefill_size(request, step, now)
+        if num_new <= 0 or not self.allocator.can_allocate(request.request_id, cached + num_new):
             self.allocator.free(request.request_id)         # unpin the matched prefix; retry next step
             request.num_computed_tokens = 0
-            return None
+            return False
         self.allocator.allocate(request.request_id, cached + num_new)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return ScheduledChunk.of(request, num_new)
+        step.add(ScheduledChunk.of(request, num_new), prefill=True)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached
+            self.num_prefix_hit_tokens += cached
+            self.num_prefix_miss_tokens += request.num_prompt_tokens - cached
+        return True
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ def render(sections: list[Section], stream: TextIO | None = None, plain: bool = 
     for section in sections:
         if section.table is not None:
             header, rows = section.table
-            body = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="dim")
+            body = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="dim", padding=(0, 1), collapse_padding=True)
             for index, column in enumerate(header):
-                body.add_column(column, overflow="fold", no_wrap=index == 0 and len(rows) > 0
+                body.add_column(column, overflow="fold", min_width=len(column), no_wrap=index == 0 and len(rows) > 0
                                 and max(len(str(row[0])) for row in rows) <= 24)
             for row in rows:
                 body.add_row(*[Text(str(cell)) for cell in row])
