@@ -87,7 +87,11 @@ def decode_cases(batches, contexts, sweep):
     return rows
 
 
-def prefill_cases(cases):
+PREFILL_VARIANTS = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                    for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+
+
+def prefill_cases(cases, sweep=False):
     import torch
     import torch.nn.functional as F
 
@@ -122,11 +126,22 @@ def prefill_cases(cases):
         if not error < 1e-2:
             raise SystemExit(f"prefill prefix={prefix} chunk={chunk}: error {error}")
         ours, baseline = bench_ms(run), bench_ms(sdpa)
+        variants = {}
+        for variant in PREFILL_VARIANTS if sweep else []:
+            tuned = lambda: prefill_attention(q, kv[0], kv[1], query_start_loc, seq_lens, block_tables, scale,
+                                              max_query_len=chunk, **variant)
+            try:
+                if relative_error(tuned(), ref) < 1e-2:
+                    variants["m{block_m}n{block_n}w{num_warps}s{num_stages}".format(**variant)] = bench_ms(tuned)
+            except Exception as error:                             # e.g. out of shared memory
+                print(f"variant {variant}: {type(error).__name__}", file=sys.stderr)
         # causal work: each query sees prefix + its position in the chunk; 4 flops per (q, k, d)
         pairs = chunk * prefix + chunk * (chunk + 1) / 2
         flops = 4 * pairs * HEADS * HEAD_DIM
         rows.append({"prefix": prefix, "chunk": chunk, "triton_ms": ours, "triton_TFLOPs": flops / ours / 1e9,
-                     "sdpa_ms": baseline, "sdpa_TFLOPs": flops / baseline / 1e9, "rel_error": error})
+                     "sdpa_ms": baseline, "sdpa_TFLOPs": flops / baseline / 1e9, "rel_error": error,
+                     "variants_ms": variants,
+                     "best_variant": min(variants, key=variants.get) if variants else None})
     return rows
 
 
@@ -135,6 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--sweep", action="store_true", help="also time other block sizes / warp counts")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--prefill-sweep", action="store_true", help="time prefill tile/warp/stage variants")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -143,17 +160,18 @@ def main(argv=None) -> int:
 
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    decode = decode_cases(batches, contexts, args.sweep)
+    decode = [] if args.skip_decode else decode_cases(batches, contexts, args.sweep)
     print(f"{'B':>4} {'ctx':>6} {'splits':>6} {'triton ms':>9} {'GB/s':>7} {'torch ms':>9} {'x':>6}  best variant")
     for row in decode:
         print(f"{row['batch']:>4} {row['context']:>6} {row['splits']:>6} {row['triton_ms']:>9.4f} "
               f"{row['triton_GBps']:>7.0f} {row['torch_ms']:>9.4f} {row['speedup_vs_torch']:>6.2f}  "
               f"{row['best_variant']} {row['best_ms']:.4f}")
-    prefill = prefill_cases([(0, 512), (0, 2048), (0, 8192), (4096, 1024), (16384, 512)])
-    print(f"{'prefix':>6} {'chunk':>6} {'triton ms':>9} {'TFLOP/s':>8} {'sdpa ms':>8} {'TFLOP/s':>8}")
+    prefill = prefill_cases([(0, 512), (0, 2048), (0, 8192), (4096, 1024), (16384, 512)], args.prefill_sweep)
+    print(f"{'prefix':>6} {'chunk':>6} {'triton ms':>9} {'TFLOP/s':>8} {'sdpa ms':>8} {'TFLOP/s':>8}  best variant")
     for row in prefill:
+        best = f"{row['best_variant']} {row['variants_ms'][row['best_variant']]:.3f}" if row["best_variant"] else ""
         print(f"{row['prefix']:>6} {row['chunk']:>6} {row['triton_ms']:>9.3f} {row['triton_TFLOPs']:>8.1f} "
-              f"{row['sdpa_ms']:>8.3f} {row['sdpa_TFLOPs']:>8.1f}")
+              f"{row['sdpa_ms']:>8.3f} {row['sdpa_TFLOPs']:>8.1f}  {best}")
     document = {"benchmark": "attention kernels", "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "triton": triton.__version__,
                 "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE},

@@ -55,3 +55,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TF32_TOLERANCE = 2e-3      # on a GPU a float32 tl.dot rounds its inputs to tf32
+
+
+def tolerance(dtype: torch.dtype, device) -> float:
+    on_gpu = torch.device(device).type == "cuda"
+    return TF32_TOLERANCE if dtype == torch.float32 and on_gpu else TOLERANCE[dtype]

@@ -23,6 +23,50 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head, start, end, kv_limit,
+                 qk_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DIM_PADDED: tl.constexpr):
+    """Online softmax of one query block over keys [start, end); MASKED applies the causal mask and the
+    end of the context (kv_limit), which blocks wholly before the queries' own positions do not need."""
+    dims = tl.arange(0, BLOCK_D)
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            token_mask = tokens < kv_limit
+            pages = tl.load(block_table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+        else:
+            pages = tl.load(block_table_ptr + tokens // PAGE_SIZE).to(tl.int64)
+        offsets = tokens % PAGE_SIZE
+        k_ptrs = k_ptr + pages[:, None] * stride_kp + offsets[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        v_ptrs = v_ptr + pages[:, None] * stride_vp + offsets[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
+        if MASKED:
+            if DIM_PADDED:
+                kv_mask = token_mask[:, None] & (dims < HEAD_DIM)[None, :]
+            else:
+                kv_mask = token_mask[:, None]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif DIM_PADDED:
+            k = tl.load(k_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        else:                                                      # the bulk: no masks, wide loads
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        if MASKED:
+            visible = (tokens[None, :] <= positions[:, None]) & token_mask[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale_log2,
@@ -35,7 +79,7 @@ def _prefill_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    q_block = tl.program_id(2)
+    q_block = tl.num_programs(2) - 1 - tl.program_id(2)           # the longest rows first: a shorter tail
     kv_head = head // GROUP
 
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -47,40 +91,30 @@ def _prefill_kernel(
         row_mask = rows < q_len
         positions = prefix_len + rows                               # absolute position of each query
         dims = tl.arange(0, BLOCK_D)
-        dim_mask = dims < HEAD_DIM
+        io_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
         q = tl.load(q_ptr + (q_start + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh
-                    + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+                    + dims[None, :], mask=io_mask, other=0.0)
 
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # Keys past this block's last query are masked for every row: stop there.
+        # Keys before the block's first query position are visible to every row; keys past its last
+        # query are visible to none.
+        unmasked_end = (prefix_len + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
         kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_M)
-        for n0 in range(0, kv_end, BLOCK_N):
-            tokens = n0 + tl.arange(0, BLOCK_N)
-            token_mask = tokens < kv_end
-            pages = tl.load(block_tables_ptr + seq * stride_bt + tokens // PAGE_SIZE,
-                            mask=token_mask, other=0).to(tl.int64)
-            offsets = tokens % PAGE_SIZE
-            kv_mask = token_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_ptr + pages[:, None] * stride_kp + offsets[:, None] * stride_ks
-                        + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + pages[:, None] * stride_vp + offsets[:, None] * stride_vs
-                        + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
-            visible = (tokens[None, :] <= positions[:, None]) & token_mask[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        block_table_ptr = block_tables_ptr + seq * stride_bt
+        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head, 0,
+                                 unmasked_end, kv_end, qk_scale_log2, stride_kp, stride_ks, stride_kh,
+                                 stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+                                 HEAD_DIM != BLOCK_D)
+        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head,
+                                 unmasked_end, kv_end, kv_end, qk_scale_log2, stride_kp, stride_ks,
+                                 stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                                 HEAD_DIM != BLOCK_D)
 
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
-                 + dims[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & dim_mask[None, :])
+                 + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -219,8 +253,8 @@ def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, 
         v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        positions = torch.arange(length - (end - start), length)
-        visible = torch.arange(length)[None, :] <= positions[:, None]     # [Q, L]
+        positions = torch.arange(length - (end - start), length, device=q.device)
+        visible = torch.arange(length, device=q.device)[None, :] <= positions[:, None]     # [Q, L]
         scores = torch.einsum("qhd,lhd->hql", q[start:end].float(), k) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
