@@ -21,8 +21,12 @@ PROMPTS = ["Once upon a time", "Tom had a", "The sun was", "Lily"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def engine(directory, device="cpu", dtype="float32", config=CONFIG, **runner_options) -> LLMEngine:
+def engine(directory, device="cpu", dtype="float32", config=CONFIG, compiled=False, **runner_options) -> LLMEngine:
     loaded = load_checkpoint_model(directory, config, device, dtype)
+    if compiled:
+        from flare.engine.compile import compile_model
+
+        compile_model(loaded.model)
     runner = ModelRunner(loaded.model, loaded.model_config, config, device, getattr(torch, dtype), seed=0,
                          **runner_options)
     return LLMEngine(EngineCore(config, runner, loaded.eos_token_ids), load_tokenizer(directory))
@@ -96,9 +100,6 @@ def test_static_buffer_path_keeps_seeded_sampling_batch_invariant_and_logprobs(s
     assert len(alone.new_logprobs) == 16 and alone.prompt_logprobs == reference.prompt_logprobs
 
 
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:3]], ids=["full bucket", "padded bucket"])
 @pytest.mark.gpu
@@ -109,3 +110,12 @@ def test_captured_graphs_give_the_eager_greedy_tokens_on_the_gpu(stories260k, ch
     assert graphed.core.runner.graphs.graphs, "no graph was captured"
     expected = [out.new_token_ids for out in eager.generate(prompts, GREEDY)]
     assert [out.new_token_ids for out in graphed.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_layers_in_captured_graphs_give_the_eager_greedy_tokens(stories260k, checked):
+    eager = checked(engine(stories260k, "cuda", "float32", graphs=False))
+    compiled = checked(engine(stories260k, "cuda", "float32", compiled=True))
+    expected = [out.new_token_ids for out in eager.generate(PROMPTS[:3], GREEDY)]
+    assert [out.new_token_ids for out in compiled.generate(PROMPTS[:3], GREEDY)] == expected
