@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if on_cuda else torch.float32
     cfg = ModelConfig.from_hf_config(TINY if args.shape == "tiny" else SHAPES[args.shape])
     page_size = 16
-    longest = max(contexts) + args.warmup + args.steps + 16
+    longest = max(contexts) + decode_budget(max(batches), max(contexts), args.warmup, args.steps)
     max_model_len = max(args.max_model_len, longest)
     pages_per_request = -(-longest // page_size)
     config = EngineConfig(max_concurrency=max(batches), page_size=page_size,
@@ -107,6 +107,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def decode_budget(batch: int, context: int, warmup: int, steps: int) -> int:
+    """Tokens each request may decode: the timed steps, plus those it decodes while later requests
+    still prefill (at most one per prefill step)."""
+    return warmup + steps + batch * context // 1024 + batch + 8
+
+
 def run_case(runner, config, vocab_size: int, batch: int, context: int, warmup: int, steps: int) -> dict:
     import torch
 
@@ -116,7 +122,8 @@ def run_case(runner, config, vocab_size: int, batch: int, context: int, warmup: 
 
     core = EngineCore(config, runner, eos_token_ids=())
     generator = torch.Generator().manual_seed(batch * 100003 + context)
-    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=decode_budget(batch, context, warmup, steps),
+                            ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(3, vocab_size, (context,), generator=generator).tolist()
         core.add_request(EngineRequest(f"r{i}", tuple(prompt), params))

@@ -14,7 +14,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for phase in $PHASES; do
   echo "== $phase $(date -u +%H:%M:%S)"
   case $phase in
-    tests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_engine_gpu.py \
+    tests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest ${TESTS:-tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_engine_gpu.py} \
              -q -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
     eager) timeout ${EAGER_TIMEOUT:-90} python3 benchmarks/decode_engine.py llama-8b --mode eager --batches "${EAGER_BATCHES:-$BATCHES}" \
              --contexts 512 --warmup 2 --steps 10 --output "$OUT/engine_eager.json" ;;

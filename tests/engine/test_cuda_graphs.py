@@ -14,6 +14,7 @@ from flare.engine.llm_engine import LLMEngine
 from flare.engine.runner import ModelRunner
 from flare.engine.sampling_params import SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
+from tiny_checkpoints import write_tiny_checkpoint
 
 CONFIG = EngineConfig(max_concurrency=6, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=8,
                       max_num_batched_tokens=32)
@@ -100,13 +101,19 @@ def test_static_buffer_path_keeps_seeded_sampling_batch_invariant_and_logprobs(s
     assert len(alone.new_logprobs) == 16 and alone.prompt_logprobs == reference.prompt_logprobs
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random Llama with 16-wide heads: the Triton kernels' smallest (stories260k's are 8 wide)."""
+    return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:3]], ids=["full bucket", "padded bucket"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_captured_graphs_give_the_eager_greedy_tokens_on_the_gpu(stories260k, checked, dtype, prompts):
-    eager = checked(engine(stories260k, "cuda", dtype, graphs=False))
-    graphed = checked(engine(stories260k, "cuda", dtype))
+def test_captured_graphs_give_the_eager_greedy_tokens_on_the_gpu(tiny_llama, checked, dtype, prompts):
+    eager = checked(engine(tiny_llama, "cuda", dtype, graphs=False))
+    graphed = checked(engine(tiny_llama, "cuda", dtype))
     assert graphed.core.runner.graphs.graphs, "no graph was captured"
     expected = [out.new_token_ids for out in eager.generate(prompts, GREEDY)]
     assert [out.new_token_ids for out in graphed.generate(prompts, GREEDY)] == expected
@@ -114,8 +121,8 @@ def test_captured_graphs_give_the_eager_greedy_tokens_on_the_gpu(stories260k, ch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_layers_in_captured_graphs_give_the_eager_greedy_tokens(stories260k, checked):
-    eager = checked(engine(stories260k, "cuda", "float32", graphs=False))
-    compiled = checked(engine(stories260k, "cuda", "float32", compiled=True))
+def test_compiled_layers_in_captured_graphs_give_the_eager_greedy_tokens(tiny_llama, checked):
+    eager = checked(engine(tiny_llama, "cuda", "float32", graphs=False))
+    compiled = checked(engine(tiny_llama, "cuda", "float32", compiled=True))
     expected = [out.new_token_ids for out in eager.generate(PROMPTS[:3], GREEDY)]
     assert [out.new_token_ids for out in compiled.generate(PROMPTS[:3], GREEDY)] == expected

@@ -52,7 +52,10 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
 
     directory = Path(directory)
     dtype = dtype or default_dtype(device)
-    model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, attention_backend(device))
+    from flare.models.loader import read_model_config
+
+    backend = attention_backend(device, read_model_config(directory).head_dim)
+    model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend)
     eos = list(model_config.eos_token_ids)
     for token_id in [*eos_token_ids_of(directory, None), *extra_eos_token_ids]:
         if token_id not in eos:
@@ -67,9 +70,13 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
-def attention_backend(device: str):
-    """The paged Triton kernels on CUDA; the pure-PyTorch reference elsewhere."""
-    if str(device).startswith("cuda"):
+TRITON_MIN_HEAD_DIM = 16       # the kernels' tl.dot needs K >= 16
+
+
+def attention_backend(device: str, head_dim: int = 128):
+    """The paged Triton kernels on CUDA; the pure-PyTorch reference elsewhere, and for heads too
+    narrow for the kernels (e.g. stories260k's 8)."""
+    if str(device).startswith("cuda") and head_dim >= TRITON_MIN_HEAD_DIM:
         from flare.engine.attention_triton import TritonBackend
 
         return TritonBackend()
@@ -93,10 +100,19 @@ def build_core(loaded: LoadedModel, seed: int | None = None):
     from flare.engine.core import EngineCore
     from flare.engine.runner import ModelRunner
 
-    if str(loaded.device).startswith("cuda"):
+    fast = str(loaded.device).startswith("cuda") and runs_triton_attention(loaded.model)
+    if fast:
         from flare.engine.compile import compile_model
 
         compile_model(loaded.model)
     runner = ModelRunner(loaded.model, loaded.model_config, loaded.engine_config, loaded.device,
-                         getattr(torch, loaded.dtype), seed)
+                         getattr(torch, loaded.dtype), seed, graphs=fast)
     return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids)
+
+
+def runs_triton_attention(model) -> bool:
+    """Whether every attention layer uses the Triton backend (graph capture needs its host-sync-free path)."""
+    from flare.engine.attention_triton import TritonBackend
+
+    backends = [module.backend for module in model.modules() if hasattr(module, "backend")]
+    return bool(backends) and all(isinstance(backend, TritonBackend) for backend in backends)
