@@ -36,6 +36,15 @@ def capture_sizes(max_concurrency: int) -> tuple[int, ...]:
     return (*sizes, largest)
 
 
+def runs_triton_attention(model) -> bool:
+    """Whether every attention layer uses the Triton backend: the reference backend reads its metadata on
+    the host, which a graph cannot capture."""
+    from flare.engine.attention_triton import TritonBackend
+
+    backends = [module.backend for module in model.modules() if hasattr(module, "backend")]
+    return bool(backends) and all(isinstance(backend, TritonBackend) for backend in backends)
+
+
 def bucket_for(batch: int, sizes: Sequence[int]) -> int | None:
     """The smallest captured size that holds `batch` rows, or None when the batch is larger than all."""
     index = bisect.bisect_left(sizes, batch)

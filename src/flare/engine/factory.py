@@ -100,6 +100,8 @@ def build_core(loaded: LoadedModel, seed: int | None = None):
     from flare.engine.core import EngineCore
     from flare.engine.runner import ModelRunner
 
+    from flare.engine.cuda_graphs import runs_triton_attention
+
     fast = str(loaded.device).startswith("cuda") and runs_triton_attention(loaded.model)
     if fast:
         from flare.engine.compile import compile_model
@@ -109,10 +111,3 @@ def build_core(loaded: LoadedModel, seed: int | None = None):
                          getattr(torch, loaded.dtype), seed, graphs=fast)
     return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids)
 
-
-def runs_triton_attention(model) -> bool:
-    """Whether every attention layer uses the Triton backend (graph capture needs its host-sync-free path)."""
-    from flare.engine.attention_triton import TritonBackend
-
-    backends = [module.backend for module in model.modules() if hasattr(module, "backend")]
-    return bool(backends) and all(isinstance(backend, TritonBackend) for backend in backends)

@@ -20,8 +20,9 @@ from flare.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
-    """`graphs`: replay decode steps as CUDA graphs (default: on CUDA); `capture=False` runs the same
-    static-buffer path eagerly, which is how the CPU tests exercise it."""
+    """`graphs`: replay decode steps as CUDA graphs (default: on CUDA when every layer runs the Triton
+    attention backend); `capture=False` runs the same static-buffer path eagerly, which is how the CPU
+    tests exercise it."""
 
     def __init__(self, model, model_config, config: EngineConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int | None = None, graphs: bool | None = None,
@@ -34,12 +35,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
         on_cuda = self.device.type == "cuda"
-        use_graphs = on_cuda if graphs is None else graphs
+        if graphs is None:
+            from flare.engine.cuda_graphs import runs_triton_attention
+
+            graphs = on_cuda and runs_triton_attention(model)
         # Graphs pad their batches; padded rows write into one extra page that the allocator never hands out.
-        num_pages = config.num_pages + (1 if use_graphs else 0)
+        num_pages = config.num_pages + (1 if graphs else 0)
         self.kv_caches = allocate_kv_caches(model_config, num_pages, config.page_size, dtype, self.device)
         self.graphs = None
-        if use_graphs:
+        if graphs:
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
 
     def _build_graphs(self, capture: bool):
