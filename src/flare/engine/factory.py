@@ -52,9 +52,12 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
 
     directory = Path(directory)
     dtype = dtype or default_dtype(device)
-    from flare.models.loader import read_model_config
+    if str(device).startswith("cuda"):
+        from flare.models.loader import read_model_config
 
-    backend = attention_backend(device, read_model_config(directory).head_dim)
+        backend = attention_backend(device, read_model_config(directory).head_dim)
+    else:
+        backend = attention_backend(device)
     model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend)
     eos = list(model_config.eos_token_ids)
     for token_id in [*eos_token_ids_of(directory, None), *extra_eos_token_ids]:
