@@ -38,20 +38,27 @@ class ModelFactory:
 
 
 def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | None = None,
-                          device: str = "cpu", dtype: str = "float32",
+                          device: str = "cpu", dtype: str | None = None,
                           extra_eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
-    """Load a Hugging Face checkpoint directory with the pure-PyTorch attention backend.
+    """Load a Hugging Face checkpoint directory with the attention backend of its device.
 
-    EOS ids: config.json's, generation_config.json's, then `extra_eos_token_ids` (the tokenizer's).
+    dtype defaults to float32 on a CPU and bfloat16 on CUDA. EOS ids: config.json's,
+    generation_config.json's, then `extra_eos_token_ids` (the tokenizer's).
     """
     import torch
 
-    from flare.engine.attention import TorchReferenceBackend
     from flare.frontend.tokenizer import eos_token_ids_of
     from flare.models import load_checkpoint
 
     directory = Path(directory)
-    model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, TorchReferenceBackend())
+    dtype = dtype or default_dtype(device)
+    if str(device).startswith("cuda"):
+        from flare.models.loader import read_model_config
+
+        backend = attention_backend(device, read_model_config(directory).head_dim)
+    else:
+        backend = attention_backend(device)
+    model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend)
     eos = list(model_config.eos_token_ids)
     for token_id in [*eos_token_ids_of(directory, None), *extra_eos_token_ids]:
         if token_id not in eos:
@@ -59,6 +66,26 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     if engine_config is None:
         engine_config = default_engine_config(model_config.max_position_embeddings)
     return LoadedModel(model_config, model, tuple(eos), engine_config, device, dtype)
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on CUDA (half the bytes a decode step reads), float32 elsewhere."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
+TRITON_MIN_HEAD_DIM = 16       # the kernels' tl.dot needs K >= 16
+
+
+def attention_backend(device: str, head_dim: int = 128):
+    """The paged Triton kernels on CUDA; the pure-PyTorch reference elsewhere, and for heads too
+    narrow for the kernels (e.g. stories260k's 8)."""
+    if str(device).startswith("cuda") and head_dim >= TRITON_MIN_HEAD_DIM:
+        from flare.engine.attention_triton import TritonBackend
+
+        return TritonBackend()
+    from flare.engine.attention import TorchReferenceBackend
+
+    return TorchReferenceBackend()
 
 
 def default_engine_config(max_position_embeddings: int) -> EngineConfig:
@@ -70,12 +97,20 @@ def default_engine_config(max_position_embeddings: int) -> EngineConfig:
 
 
 def build_core(loaded: LoadedModel, seed: int | None = None):
-    """The EngineCore that runs `loaded`."""
+    """The EngineCore that runs `loaded`; on CUDA its layers are compiled and its decode steps captured."""
     import torch
 
     from flare.engine.core import EngineCore
     from flare.engine.runner import ModelRunner
 
+    from flare.engine.cuda_graphs import runs_triton_attention
+
+    fast = str(loaded.device).startswith("cuda") and runs_triton_attention(loaded.model)
+    if fast:
+        from flare.engine.compile import compile_model
+
+        compile_model(loaded.model)
     runner = ModelRunner(loaded.model, loaded.model_config, loaded.engine_config, loaded.device,
-                         getattr(torch, loaded.dtype), seed)
+                         getattr(torch, loaded.dtype), seed, graphs=fast)
     return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids)
+

@@ -1,0 +1,128 @@
+"""Decode graphs: the catalog, bucket choice, padding into the dummy slot, and the same tokens as the
+eager path. On a CPU the static-buffer path runs eagerly (capture=False); on a GPU it is captured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flare.engine.config import EngineConfig
+from flare.engine.core import EngineCore
+from flare.engine.cuda_graphs import DecodeBatch, DecodeGraphs, bucket_for, capture_sizes
+from flare.engine.factory import load_checkpoint_model
+from flare.engine.llm_engine import LLMEngine
+from flare.engine.runner import ModelRunner
+from flare.engine.sampling_params import SamplingParams
+from flare.frontend.tokenizer import load_tokenizer
+from tiny_checkpoints import write_tiny_checkpoint
+
+CONFIG = EngineConfig(max_concurrency=6, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=8,
+                      max_num_batched_tokens=32)
+PROMPTS = ["Once upon a time", "Tom had a", "The sun was", "Lily"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def engine(directory, device="cpu", dtype="float32", config=CONFIG, compiled=False, **runner_options) -> LLMEngine:
+    loaded = load_checkpoint_model(directory, config, device, dtype)
+    if compiled:
+        from flare.engine.compile import compile_model
+
+        compile_model(loaded.model)
+    runner = ModelRunner(loaded.model, loaded.model_config, config, device, getattr(torch, dtype), seed=0,
+                         **runner_options)
+    return LLMEngine(EngineCore(config, runner, loaded.eos_token_ids), load_tokenizer(directory))
+
+
+def test_catalog_covers_one_to_max_concurrency_rounded_up():
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(3) == (1, 2, 3)
+    assert capture_sizes(6) == (1, 2, 4, 8)
+    assert capture_sizes(20) == (1, 2, 4, 8, 16, 24)
+    assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    with pytest.raises(ValueError):
+        capture_sizes(0)
+
+
+def test_bucket_is_the_smallest_captured_size_that_holds_the_batch():
+    sizes = capture_sizes(64)
+    assert [bucket_for(b, sizes) for b in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 40, 64]
+    assert bucket_for(65, sizes) is None
+
+
+def test_padded_rows_write_only_the_dummy_slot(stories260k):
+    loaded = load_checkpoint_model(stories260k, CONFIG)
+    from flare.engine.attention import allocate_kv_caches
+
+    page_size, pages = CONFIG.page_size, CONFIG.num_pages
+    caches = allocate_kv_caches(loaded.model_config, pages + 1, page_size, torch.float32, "cpu")
+    for cache in caches:
+        cache.fill_(7.0)
+    dummy = pages * page_size
+    graphs = DecodeGraphs(loaded.model, caches, (4,), max_pages=4, page_size=page_size, dummy_slot=dummy,
+                          max_seq_len=64, capture=False)
+    hidden, logits = graphs.run(DecodeBatch(input_ids=[5], positions=[0], slots=[3 * page_size],
+                                            seq_lens=[1], block_tables=[[3]]))
+    assert hidden.shape[0] == logits.shape[0] == 1 and torch.isfinite(logits).all()
+    for cache in caches:
+        slots = cache.flatten(1, 2)                                 # [2, slots, heads, dim]
+        written = (slots != 7.0).any(dim=-1).any(dim=-1).any(dim=0).nonzero().flatten().tolist()
+        assert written == [3 * page_size, dummy]
+    assert graphs.seq_lens.tolist() == [1, 0, 0, 0]                 # padded rows see no context
+
+
+def test_a_batch_larger_than_the_catalog_is_refused(stories260k):
+    loaded = load_checkpoint_model(stories260k, CONFIG)
+    graphs = DecodeGraphs(loaded.model, [torch.zeros(2, 2, 16, 1, 8)], (1, 2), max_pages=2, page_size=16,
+                          dummy_slot=16, max_seq_len=32, capture=False)
+    batch = DecodeBatch([1, 2, 3], [0, 0, 0], [0, 1, 2], [1, 1, 1], [[0], [0], [0]])
+    with pytest.raises(ValueError, match="exceeds the largest captured graph"):
+        graphs.run(batch)
+
+
+def test_static_buffer_path_gives_the_eager_tokens(stories260k, checked):
+    eager = checked(engine(stories260k))
+    padded = checked(engine(stories260k, graphs=True, capture=False))
+    assert padded.core.runner.graphs is not None and eager.core.runner.graphs is None
+    expected = [out.new_token_ids for out in eager.generate(PROMPTS[:3], GREEDY)]   # batch 3 -> bucket 4
+    assert [out.new_token_ids for out in padded.generate(PROMPTS[:3], GREEDY)] == expected
+
+
+def test_static_buffer_path_keeps_seeded_sampling_batch_invariant_and_logprobs(stories260k, checked):
+    padded = checked(engine(stories260k, graphs=True, capture=False))
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=3, logprobs=2, prompt_logprobs=1)
+    [alone] = padded.generate([PROMPTS[1]], seeded)
+    crowd = padded.generate(PROMPTS, [GREEDY, seeded, SamplingParams(max_tokens=5, seed=1), GREEDY])
+    assert crowd[1].new_token_ids == alone.new_token_ids
+    eager = checked(engine(stories260k))
+    [reference] = eager.generate([PROMPTS[1]], seeded)
+    assert reference.new_token_ids == alone.new_token_ids
+    assert [lp.logprob for lp in reference.new_logprobs] == pytest.approx(
+        [lp.logprob for lp in alone.new_logprobs], abs=1e-4)
+    assert len(alone.new_logprobs) == 16 and alone.prompt_logprobs == reference.prompt_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random Llama with 16-wide heads: the Triton kernels' smallest (stories260k's are 8 wide)."""
+    return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:3]], ids=["full bucket", "padded bucket"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_graphs_give_the_eager_greedy_tokens_on_the_gpu(tiny_llama, checked, dtype, prompts):
+    eager = checked(engine(tiny_llama, "cuda", dtype, graphs=False))
+    graphed = checked(engine(tiny_llama, "cuda", dtype))
+    assert graphed.core.runner.graphs.graphs, "no graph was captured"
+    expected = [out.new_token_ids for out in eager.generate(prompts, GREEDY)]
+    assert [out.new_token_ids for out in graphed.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_layers_in_captured_graphs_give_the_eager_greedy_tokens(tiny_llama, checked):
+    eager = checked(engine(tiny_llama, "cuda", "float32", graphs=False))
+    compiled = checked(engine(tiny_llama, "cuda", "float32", compiled=True))
+    expected = [out.new_token_ids for out in eager.generate(PROMPTS[:3], GREEDY)]
+    assert [out.new_token_ids for out in compiled.generate(PROMPTS[:3], GREEDY)] == expected
