@@ -408,3 +408,33 @@ def test_a_template_without_tools_is_a_clear_400(stories260k, tmp_path_factory):
         reply = client.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER_TOOL],
                                                tool_choice="none")
         assert reply.choices[0].message.content == "fine"
+
+
+def test_mistral_history_ids_are_nine_letters_or_digits():
+    from flare.frontend.tool_parsers import with_history_ids
+
+    messages = with_history_ids([
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0123456789abcdef", "type": "function",
+                                                             "function": {"name": "a", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "x"}], get_parser("mistral"))
+    assert messages[0]["tool_calls"][0]["id"] == messages[1]["tool_call_id"] == "789abcdef"
+    assert get_parser("mistral").history_call_id("ab") == "0000000ab"
+    assert get_parser("hermes").history_call_id("call_1") == "call_1"
+
+
+def test_stream_splitter_for_llama3_json_and_mistral():
+    llama = ToolCallStream(get_parser("llama3_json"))
+    assert [llama.feed(piece) for piece in ['{"na', 'me": "a", ', '"parameters": {"x": 1}}']] == ["", "", ""]
+    assert [(c.name, c.input) for c in llama.finish().tool_calls] == [("a", {"x": 1})]
+    prose = ToolCallStream(get_parser("llama3_json"))
+    assert prose.feed("use {braces} here") == "use {braces} here"
+    mistral = ToolCallStream(get_parser("mistral"))
+    assert mistral.feed("Ok.[TOOL_") == "Ok." and mistral.feed('CALLS][{"name": "b", "arguments": {}}]') == ""
+    assert [c.name for c in mistral.finish().tool_calls] == ["b"]
+
+
+def test_anthropic_count_tokens_counts_the_tools(claude):
+    tools = [{"name": "get_weather", "description": "Current weather", "input_schema": {"type": "object"}}]
+    with_tools = claude.messages.count_tokens(model="tiny", messages=QUESTION, tools=tools).input_tokens
+    without = claude.messages.count_tokens(model="tiny", messages=QUESTION).input_tokens
+    assert with_tools > without + 10

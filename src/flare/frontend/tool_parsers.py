@@ -111,6 +111,10 @@ class ToolParser:
         """Text that begins the reply when a call is required (of the named function, if given)."""
         raise NotImplementedError
 
+    def history_call_id(self, call_id: str) -> str:
+        """A call id from the conversation's history as the chat template accepts it."""
+        return call_id
+
 
 class HermesParser(ToolParser):
     name = "hermes"
@@ -179,6 +183,10 @@ class MistralParser(ToolParser):
             calls.append(call)
         return calls or None
 
+    def history_call_id(self, call_id: str) -> str:
+        # Mistral's templates refuse any id that is not 9 letters or digits; clients echo ours (call_<hex>).
+        return re.sub(r"[^A-Za-z0-9]", "", call_id)[-9:].rjust(9, "0")
+
     def forced_prefix(self, name: str | None) -> str:
         head = '[TOOL_CALLS][{"name": "'
         return head + f'{name}", "arguments":' if name else head
@@ -186,6 +194,20 @@ class MistralParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in
                                         (HermesParser, Llama3JsonParser, MistralParser)}
+
+
+def with_history_ids(messages: list[dict], parser: ToolParser) -> list[dict]:
+    """The conversation with its call ids (on tool_calls and on tool results) as the template accepts them."""
+    converted = []
+    for message in messages:
+        entry = dict(message)
+        if entry.get("tool_calls"):
+            entry["tool_calls"] = [dict(call, id=parser.history_call_id(str(call.get("id") or "")))
+                                   for call in entry["tool_calls"]]
+        if entry.get("tool_call_id") is not None:
+            entry["tool_call_id"] = parser.history_call_id(str(entry["tool_call_id"]))
+        converted.append(entry)
+    return converted
 
 
 def get_parser(name: str) -> ToolParser:

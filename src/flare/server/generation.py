@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from flare.engine.outputs import RequestOutput, TokenLogprob
-from flare.frontend.tool_parsers import ParsedOutput, ToolParser, ToolRequest, get_parser
+from flare.frontend.tool_parsers import (DEFAULT_PARSER, ParsedOutput, ToolParser, ToolRequest, get_parser,
+                                         with_history_ids)
 from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from flare.server.errors import APIError, bad_request
 from flare.server.metrics import ServerMetrics
@@ -174,7 +175,7 @@ class Generation:
             from flare.frontend.chat_template import TOOLS_UNSUPPORTED
 
             raise bad_request(TOOLS_UNSUPPORTED, param=param)
-        return get_parser(getattr(template, "tool_parser", "hermes"))
+        return get_parser(getattr(template, "tool_parser", DEFAULT_PARSER))
 
     def encode_chat(self, messages: Sequence[dict], tools: ToolRequest, parser: ToolParser | None,
                     **template_kwargs: Any) -> tuple[list[int], str]:
@@ -183,6 +184,8 @@ class Generation:
         The opening is encoded with the rendered prompt, not apart: a SentencePiece tokenizer would
         otherwise start it with a word-start space the model never saw there."""
         prefix = tools.reply_prefix(parser) if parser is not None else ""
+        history_parser = parser or get_parser(getattr(self.frontend.chat_template, "tool_parser", DEFAULT_PARSER))
+        messages = with_history_ids(list(messages), history_parser)
         if not prefix:
             return self.frontend.encode_chat(messages, tools=tools.template_tools(), **template_kwargs), ""
         text = self.frontend.chat_template.render(messages, tools=tools.template_tools(), **template_kwargs)
