@@ -120,9 +120,9 @@ class _Response:
         self.message_id = message_id
         self.created_at = int(time.time())
 
-    def function_call(self, call: ToolCall, item_id: str, call_id: str, status: str = "completed") -> dict:
-        return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": call.name,
-                "arguments": call.arguments if status == "completed" else ""}
+    def function_call(self, call: ToolCall) -> dict:
+        return {"id": new_id("fc_"), "type": "function_call", "status": "completed", "call_id": new_call_id("call_"),
+                "name": call.name, "arguments": call.arguments}
 
     def message(self, text: str, logprobs: list | None, status: str) -> dict:
         part = {"type": "output_text", "text": text, "annotations": []}
@@ -169,7 +169,7 @@ async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterato
     completion = (await gen.complete(response.id, [ids], params))[0]
     logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
     parsed = parse_reply(completion.text, parser, tools, prefix)
-    calls = [response.function_call(call, new_id("fc_"), new_call_id("call_")) for call in parsed.tool_calls]
+    calls = [response.function_call(call) for call in parsed.tool_calls]
     return _final(response, completion, logprobs, len(ids), parsed.text, calls)
 
 
@@ -236,7 +236,7 @@ async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, to
             yield event("response.output_text.delta", **located, content_index=0, delta=parsed.text, logprobs=[])
             text += parsed.text
     logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
-    call_items = [response.function_call(call, new_id("fc_"), new_call_id("call_")) for call in calls]
+    call_items = [response.function_call(call) for call in calls]
     final = _final(response, completion, logprobs, len(ids), text, call_items, show_text=message_open)
     if message_open:
         item = final["output"][0]
