@@ -63,7 +63,7 @@ def test_anthropic_system_in_every_form_becomes_one_leading_message():
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]})
     assert anthropic_messages.template_messages(body) == [
         {"role": "system", "content": "first\n\nsecond"}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "42"}]
+        {"role": "assistant", "content": "hello"}, {"role": "tool", "tool_call_id": "t", "content": "42"}]
 
 
 def test_responses_input_items_and_instructions():
@@ -74,7 +74,6 @@ def test_responses_input_items_and_instructions():
     assert openai_responses.template_messages(body) == [
         {"role": "system", "content": "be kind"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"}, {"role": "system", "content": "short answers"}]
-    tools = ResponsesRequest.model_validate({"model": "m", "input": [{"type": "function_call_output",
-                                                                      "call_id": "c", "output": "x"}]})
+    tools = ResponsesRequest.model_validate({"model": "m", "input": [{"type": "web_search_call", "id": "w"}]})
     with pytest.raises(APIError, match="not supported"):
         openai_responses.template_messages(tools)

@@ -8,15 +8,21 @@ without one (such as stories260k) gets a plain `role: text` layout so chat endpo
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from flare.frontend.tool_parsers import DEFAULT_PARSER, parser_name_for_directory
 
 PLAIN_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
 
 
 class ChatTemplateError(ValueError):
@@ -34,7 +40,8 @@ def _raise(message: str):
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", from_model: bool = True) -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", from_model: bool = True,
+                 tool_parser: str = DEFAULT_PARSER) -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -47,6 +54,7 @@ class ChatTemplate:
         self.from_model = from_model             # False: the plain layout stands in for a missing template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.tool_parser = tool_parser           # the format this model writes tool calls in (tool_parsers)
         self._template = env.from_string(source)
 
     @classmethod
@@ -64,11 +72,29 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in config["chat_template"]}
             source = named.get("default") or next(iter(named.values()), None)
         return cls(source or PLAIN_TEMPLATE, _token_text(config.get("bos_token")),
-                   _token_text(config.get("eos_token")), from_model=source is not None)
+                   _token_text(config.get("eos_token")), from_model=source is not None,
+                   tool_parser=parser_name_for_directory(directory))
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads the `tools` argument (as Hugging Face templates with tool support do)."""
+        return self.from_model and _TOOLS_VARIABLE.search(self.source) is not None
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **kwargs: Any) -> str:
-        """The prompt text for `messages` (each a dict with at least `role` and string `content`)."""
+               continue_final_message: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+               **kwargs: Any) -> str:
+        """The prompt text for `messages` (each a dict with at least `role` and string `content`).
+
+        Tool use follows Hugging Face's conventions: `tools` are {"type": "function", "function": {...}}
+        definitions; an assistant message may carry `tool_calls` ({"id", "type": "function", "function":
+        {"name", "arguments": dict}}); a tool's answer is a message of role `tool` with `tool_call_id`.
+        A template without tool support reads that history as text instead."""
+        if tools:
+            if not self.supports_tools:
+                raise ChatTemplateError(TOOLS_UNSUPPORTED)
+            kwargs["tools"] = list(tools)
+        if not self.supports_tools:
+            messages = tool_history_as_text(messages)
         if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
             raise ChatTemplateError("continue_final_message needs the last message to be the assistant's")
         try:
@@ -86,3 +112,37 @@ class ChatTemplate:
             if cut >= 0:
                 text = text[:cut + len(final)]
         return text
+
+
+TOOLS_UNSUPPORTED = ("the model's chat template does not support tools (it never reads `tools`), so the model "
+                     "was not taught to call them. Send the request without tools, or with tool_choice \"none\".")
+
+
+def _call_text(call: Mapping[str, Any]) -> str:
+    function = call.get("function") or {}
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return f"[tool call {function.get('name', '')}: {arguments}]"
+
+
+def tool_history_as_text(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Tool calls and results written into plain messages, for templates that know no tools: a call
+    becomes text in the assistant's message, a result a user message (joined to a neighbouring one)."""
+    converted: list[dict] = []
+    after_tool = False                       # the last converted message holds a tool's result
+    for message in messages:
+        entry = dict(message)
+        if entry.get("tool_calls"):
+            calls = "\n".join(_call_text(call) for call in entry.pop("tool_calls"))
+            entry["content"] = "\n".join(text for text in (entry.get("content") or "", calls) if text)
+        is_tool = entry.get("role") == "tool"
+        if is_tool:
+            entry = {"role": "user", "content": f"[tool result]: {entry.get('content') or ''}"}
+        merge = bool(converted) and (is_tool or after_tool) and entry["role"] == "user" == converted[-1]["role"]
+        if merge:
+            converted[-1]["content"] = f"{converted[-1]['content']}\n\n{entry.get('content') or ''}"
+        else:
+            converted.append(entry)
+        after_tool = is_tool or (merge and after_tool)
+    return converted

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from flare.engine.outputs import RequestOutput, TokenLogprob
+from flare.frontend.tool_parsers import (DEFAULT_PARSER, ParsedOutput, ToolParser, ToolRequest, get_parser,
+                                         with_history_ids)
 from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from flare.server.errors import APIError, bad_request
 from flare.server.metrics import ServerMetrics
@@ -157,6 +159,38 @@ class Generation:
                 param=max_tokens_field, code="capacity_exceeded")
         return max_tokens
 
+    # ---- tools -----------------------------------------------------------------------------------
+
+    def tool_parser(self, tools: ToolRequest, param: str) -> ToolParser | None:
+        """The parser for a reply to a request with these tools (None: tools are not in play).
+
+        Refuses a named function that is not among the tools, and tools the chat template cannot show."""
+        if tools.function is not None and tools.function not in tools.names:
+            raise bad_request(f"tool_choice names the function {tools.function!r}, which is not among the tools "
+                              f"({', '.join(tools.names) or 'none'})", param="tool_choice")
+        if not tools.active:
+            return None
+        template = self.frontend.chat_template
+        if not template.supports_tools:
+            from flare.frontend.chat_template import TOOLS_UNSUPPORTED
+
+            raise bad_request(TOOLS_UNSUPPORTED, param=param)
+        return get_parser(getattr(template, "tool_parser", DEFAULT_PARSER))
+
+    def encode_chat(self, messages: Sequence[dict], tools: ToolRequest, parser: ToolParser | None,
+                    **template_kwargs: Any) -> tuple[list[int], str]:
+        """The prompt's token ids and the opening of the reply written into it (when a call is required).
+
+        The opening is encoded with the rendered prompt, not apart: a SentencePiece tokenizer would
+        otherwise start it with a word-start space the model never saw there."""
+        prefix = tools.reply_prefix(parser) if parser is not None else ""
+        history_parser = parser or get_parser(getattr(self.frontend.chat_template, "tool_parser", DEFAULT_PARSER))
+        messages = with_history_ids(list(messages), history_parser)
+        if not prefix:
+            return self.frontend.encode_chat(messages, tools=tools.template_tools(), **template_kwargs), ""
+        text = self.frontend.chat_template.render(messages, tools=tools.template_tools(), **template_kwargs)
+        return self.frontend.encode(text + prefix, add_special_tokens=False), prefix
+
     # ---- sampling --------------------------------------------------------------------------------
 
     def sampling_params(self, requested: RequestedSampling, max_tokens: int, index: int = 0) -> SamplingParams:
@@ -277,3 +311,22 @@ def usage_numbers(completions: Sequence[Completion], prompt_len: int) -> tuple[i
     completion_tokens = sum(len(c.token_ids) for c in completions)
     cached = max((c.num_cached_tokens for c in completions), default=0)
     return prompt_len, completion_tokens, cached
+
+
+def parse_reply(text: str, parser: ToolParser | None, tools: ToolRequest, prefix: str = "") -> ParsedOutput:
+    """A finished reply split into text and tool calls (all text when tools are not in play)."""
+    if parser is None:
+        return ParsedOutput(text)
+    parsed = parser.parse(prefix + text)
+    if not parsed.tool_calls:
+        return ParsedOutput(text)        # the forced opening is not the model's own text
+    return ParsedOutput(parsed.text, tools.keep(parsed.tool_calls))
+
+
+def with_tool_tokens(requested: RequestedSampling, parser: ToolParser | None) -> RequestedSampling:
+    """Keep special tokens in the text when the parser's markers are special tokens (Mistral's [TOOL_CALLS])."""
+    if parser is not None and parser.keeps_special_tokens:
+        from dataclasses import replace
+
+        return replace(requested, skip_special_tokens=False)
+    return requested

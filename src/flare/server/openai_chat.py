@@ -6,9 +6,11 @@ import time
 from typing import Any, AsyncIterator
 
 from flare.frontend.chat_template import ChatTemplateError
+from flare.frontend.tool_parsers import (ToolCall, ToolCallStream, ToolParser, ToolRequest, call_arguments, function_tool,
+                                         new_call_id, tool_call_chunks)
 from flare.server import sse
 from flare.server.errors import bad_request
-from flare.server.generation import Generation, new_id, usage_numbers
+from flare.server.generation import Generation, new_id, parse_reply, usage_numbers, with_tool_tokens
 from flare.server.openai_common import chat_logprobs, requested_sampling, usage
 from flare.server.schemas import ChatCompletionRequest, ChatMessage
 
@@ -27,56 +29,97 @@ def message_text(message: ChatMessage) -> str:
     return "".join(texts)
 
 
+def _template_call(call) -> dict:
+    try:
+        arguments = call_arguments(call.function.arguments)
+    except ValueError:
+        raise bad_request(f"the arguments of tool call {call.id or call.function.name!r} are not a JSON object: "
+                          f"{call.function.arguments!r}", param="messages") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Plain {role, content} dicts; `developer` is OpenAI's newer name for `system`."""
+    """Messages as chat templates read them; `developer` is OpenAI's newer name for `system`, and tool
+    calls take Hugging Face's shape (arguments as a dict)."""
     converted = []
     for message in messages:
         role = "system" if message.role == "developer" else message.role
         entry = {"role": role, "content": message_text(message)}
         if message.name:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         converted.append(entry)
     return converted
 
 
+def tool_request(body: ChatCompletionRequest) -> ToolRequest:
+    tools = tuple(function_tool(t.function.name, t.function.description, t.function.parameters)
+                  for t in body.tools or ())
+    choice = body.tool_choice or "auto"
+    if isinstance(choice, str):
+        return ToolRequest(tools, choice, None, body.parallel_tool_calls)
+    return ToolRequest(tools, "function", choice.function.name, body.parallel_tool_calls)
+
+
 def prompt_ids(gen: Generation, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids (as /tokenize counts them)."""
+    return _encode(gen, body, tool_request(body), None)[0]
+
+
+def _encode(gen: Generation, body: ChatCompletionRequest, tools: ToolRequest,
+            parser: ToolParser | None) -> tuple[list[int], str]:
+    """The prompt's token ids, and the opening of the reply written into it when a call is required."""
     try:
-        return gen.frontend.encode_chat(template_messages(body.messages),
-                                        add_generation_prompt=body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message,
-                                        **(body.chat_template_kwargs or {}))
+        return gen.encode_chat(template_messages(body.messages), tools, parser,
+                               add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message,
+                               **(body.chat_template_kwargs or {}))
     except ChatTemplateError as error:
         raise bad_request(str(error), param="messages") from None
 
 
+def openai_tool_calls(calls: tuple[ToolCall, ...]) -> list[dict]:
+    return [{"id": new_call_id("call_"), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+
+
 async def create(gen: Generation, body: ChatCompletionRequest) -> dict | AsyncIterator[str]:
-    ids = prompt_ids(gen, body)
+    tools = tool_request(body)
+    parser = gen.tool_parser(tools, "tools")
+    ids, prefix = _encode(gen, body, tools, parser)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = gen.admit(len(ids), max_tokens, body.n, field)
-    requested = requested_sampling(body, max_tokens, logprobs)
+    requested = with_tool_tokens(requested_sampling(body, max_tokens, logprobs), parser)
     params = [gen.sampling_params(requested, max_tokens, index) for index in range(body.n)]
     # vLLM's `echo`: the reply repeats the final assistant message it continues
     echo_text = message_text(body.messages[-1]) if body.echo and body.messages[-1].role == "assistant" else ""
     request_id = new_id("chatcmpl-")
+    reading = (parser, tools, prefix)
     if body.stream:
-        return _stream(gen, body, request_id, ids, params, logprobs, echo_text)
-    return await _complete(gen, body, request_id, ids, params, logprobs, echo_text)
+        return _stream(gen, body, request_id, ids, params, logprobs, echo_text, reading)
+    return await _complete(gen, body, request_id, ids, params, logprobs, echo_text, reading)
 
 
-async def _complete(gen, body, request_id, ids, params, logprobs, echo_text) -> dict:
+async def _complete(gen, body, request_id, ids, params, logprobs, echo_text, reading) -> dict:
     completions = await gen.complete(request_id, [ids] * len(params), params)
     choices = []
     for index, completion in enumerate(completions):
+        parsed = parse_reply(completion.text, *reading)
+        finish_reason = "tool_calls" if parsed.tool_calls else completion.finish_reason
+        content = echo_text + parsed.text
         choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": echo_text + completion.text, "refusal": None,
-                        "tool_calls": []},
+            "message": {"role": "assistant", "content": content if content or not parsed.tool_calls else None,
+                        "refusal": None, "tool_calls": openai_tool_calls(parsed.tool_calls)},
             "logprobs": chat_logprobs(gen.frontend, completion.logprobs, logprobs) if logprobs is not None else None,
-            "finish_reason": completion.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": completion.stop_reason,
         })
     prompt, generated, cached = usage_numbers(completions, len(ids))
@@ -84,7 +127,7 @@ async def _complete(gen, body, request_id, ids, params, logprobs, echo_text) -> 
             "choices": choices, "usage": usage(prompt, generated, cached), "system_fingerprint": None}
 
 
-async def _stream(gen, body, request_id, ids, params, logprobs, echo_text) -> AsyncIterator[str]:
+async def _stream(gen, body, request_id, ids, params, logprobs, echo_text, reading) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -100,16 +143,38 @@ async def _stream(gen, body, request_id, ids, params, logprobs, echo_text) -> As
                       "finish_reason": None}])
     generated = 0
     cached = 0
+    parser, tools, prefix = reading
+    splitters = [ToolCallStream(parser, prefix) if parser is not None else None for _ in params]
     async for index, output in gen.stream(request_id, [ids] * len(params), params):
         generated += len(output.new_token_ids)
         cached = max(cached, output.num_cached_tokens)
-        if output.new_text or output.new_logprobs:
+        splitter = splitters[index]
+        text = splitter.feed(output.new_text) if splitter is not None else output.new_text
+        if text or output.new_logprobs:
             lp = chat_logprobs(gen.frontend, output.new_logprobs, logprobs) if logprobs is not None else None
-            yield chunk([{"index": index, "delta": {"content": output.new_text}, "logprobs": lp,
-                          "finish_reason": None}])
+            yield chunk([{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
         if output.finished:
-            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": output.finish_reason,
+            finish_reason = output.finish_reason
+            if splitter is not None:
+                parsed = splitter.finish()
+                if parsed.text:
+                    yield chunk([{"index": index, "delta": {"content": parsed.text}, "logprobs": None,
+                                  "finish_reason": None}])
+                for call_index, call in enumerate(tools.keep(parsed.tool_calls)):
+                    for delta in _call_deltas(call_index, call):
+                        yield chunk([{"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                      "finish_reason": None}])
+                    finish_reason = "tool_calls"
+            yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
                           "stop_reason": output.stop_reason}])
     if include_usage:
         yield chunk([], usage(len(ids), generated, cached))
     yield sse.DONE
+
+
+def _call_deltas(call_index: int, call: ToolCall):
+    """One tool call as stream deltas: its id and name first, then the arguments text in pieces."""
+    yield {"index": call_index, "id": new_call_id("call_"), "type": "function",
+           "function": {"name": call.name, "arguments": ""}}
+    for piece in tool_call_chunks(call.arguments):
+        yield {"index": call_index, "function": {"arguments": piece}}

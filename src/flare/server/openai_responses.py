@@ -6,9 +6,12 @@ import time
 from typing import Any, AsyncIterator
 
 from flare.frontend.chat_template import ChatTemplateError
+from flare.frontend.tool_parsers import (ParsedOutput, ToolCall, ToolCallStream, ToolRequest, call_arguments,
+                                         function_tool, new_call_id, tool_call_chunks)
 from flare.server import sse
 from flare.server.errors import bad_request
-from flare.server.generation import Completion, Generation, RequestedSampling, new_id
+from flare.server.generation import (Completion, Generation, RequestedSampling, new_id, parse_reply,
+                                     with_tool_tokens)
 from flare.server.openai_common import token_entry
 from flare.server.schemas import ResponsesRequest
 
@@ -31,6 +34,27 @@ def _item_text(content: Any) -> str:
     return "".join(texts)
 
 
+def _function_call(item: dict) -> dict:
+    """A `function_call` input item (an earlier reply's call) in Hugging Face's tool_calls shape."""
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request("a function_call input item needs the function's `name`", param="input")
+    try:
+        arguments = call_arguments(item.get("arguments"))
+    except ValueError:
+        raise bad_request(f"the arguments of function_call {item.get('call_id', name)!r} are not a JSON object",
+                          param="input") from None
+    return {"id": item.get("call_id", ""), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _add_call(messages: list[dict], call: dict) -> None:
+    """Calls join the assistant message just before them, as one reply holds its text and its calls."""
+    if messages and messages[-1]["role"] == "assistant":
+        messages[-1].setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
 def template_messages(body: ResponsesRequest) -> list[dict]:
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
@@ -38,6 +62,13 @@ def template_messages(body: ResponsesRequest) -> list[dict]:
     for item in body.input:
         kind = item.get("type", "message")
         if kind == "reasoning":                        # earlier reasoning summaries carry no prompt text
+            continue
+        if kind == "function_call":
+            _add_call(messages, _function_call(item))
+            continue
+        if kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
+                             "content": _item_text(item.get("output", ""))})
             continue
         if kind != "message" or "role" not in item:
             raise bad_request(f"input items of type {kind!r} are not supported; send messages with a role and "
@@ -47,6 +78,22 @@ def template_messages(body: ResponsesRequest) -> list[dict]:
             raise bad_request(f"unknown input role {role!r}", param="input")
         messages.append({"role": "system" if role == "developer" else role, "content": _item_text(item.get("content"))})
     return messages
+
+
+def tool_request(body: ResponsesRequest) -> ToolRequest:
+    tools = []
+    for tool in body.tools or ():
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools of type {tool.get('type')!r} are not supported: declare functions "
+                              f"({{\"type\": \"function\", \"name\": ..., \"parameters\": ...}})", param="tools")
+        tools.append(function_tool(tool["name"], tool.get("description"), tool.get("parameters")))
+    choice = body.tool_choice or "auto"
+    if isinstance(choice, str):
+        return ToolRequest(tuple(tools), choice, None, body.parallel_tool_calls)
+    if choice.get("type") != "function" or not choice.get("name"):
+        raise bad_request("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                          "\"name\": ...}", param="tool_choice")
+    return ToolRequest(tuple(tools), "function", choice["name"], body.parallel_tool_calls)
 
 
 def _logprobs(gen: Generation, completion_logprobs, top_k: int) -> list[dict]:
@@ -73,6 +120,10 @@ class _Response:
         self.message_id = message_id
         self.created_at = int(time.time())
 
+    def function_call(self, call: ToolCall) -> dict:
+        return {"id": new_id("fc_"), "type": "function_call", "status": "completed", "call_id": new_call_id("call_"),
+                "name": call.name, "arguments": call.arguments}
+
     def message(self, text: str, logprobs: list | None, status: str) -> dict:
         part = {"type": "output_text", "text": text, "annotations": []}
         if logprobs is not None:
@@ -86,7 +137,8 @@ class _Response:
                 "status": "incomplete" if incomplete else status, "model": body.model, "output": output,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
-                "parallel_tool_calls": False, "tool_choice": "auto", "tools": [], "previous_response_id": None,
+                "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": body.tool_choice or "auto",
+                "tools": body.tools or [], "previous_response_id": None,
                 "metadata": body.metadata or {}, "incomplete_details": incomplete, "error": None,
                 "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
                 "background": False, "usage": usage}
@@ -97,8 +149,10 @@ async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterato
         raise bad_request("previous_response_id is not supported: this server keeps no responses (it is "
                           "stateless). Send the whole conversation in `input` instead.",
                           param="previous_response_id")
+    tools = tool_request(body)
+    parser = gen.tool_parser(tools, "tools")
     try:
-        ids = gen.frontend.encode_chat(template_messages(body))
+        ids, prefix = gen.encode_chat(template_messages(body), tools, parser)
     except ChatTemplateError as error:
         raise bad_request(str(error), param="input") from None
     max_tokens = gen.admit(len(ids), body.max_output_tokens, 1, "max_output_tokens")
@@ -108,23 +162,29 @@ async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterato
                                   top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                   seed=body.seed, ignore_eos=body.ignore_eos,
                                   logprobs=top_k if want_logprobs else None)
-    params = [gen.sampling_params(requested, max_tokens)]
+    params = [gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)]
     response = _Response(body, new_id("resp_"), new_id("msg_"))
     if body.stream:
-        return _stream(gen, response, ids, params, want_logprobs, top_k)
+        return _stream(gen, response, ids, params, want_logprobs, top_k, (parser, tools, prefix))
     completion = (await gen.complete(response.id, [ids], params))[0]
     logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
-    return _final(response, completion, logprobs, len(ids))
+    parsed = parse_reply(completion.text, parser, tools, prefix)
+    calls = [response.function_call(call) for call in parsed.tool_calls]
+    return _final(response, completion, logprobs, len(ids), parsed.text, calls)
 
 
-def _final(response: _Response, completion: Completion, logprobs: list | None, prompt_len: int) -> dict:
+def _final(response: _Response, completion: Completion, logprobs: list | None, prompt_len: int, text: str,
+           calls: list[dict], show_text: bool | None = None) -> dict:
+    """The finished response: its message (when it has text, or nothing else to show), then its calls."""
     status = "incomplete" if completion.finish_reason == "length" else "completed"
-    output = [response.message(completion.text, logprobs, status)]
+    show_text = bool(text) or not calls if show_text is None else show_text
+    output = ([response.message(text, logprobs, status)] if show_text else []) + calls
     return response.envelope("completed", output, _usage(prompt_len, len(completion.token_ids),
                                                          completion.num_cached_tokens), completion.finish_reason)
 
 
-async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, top_k: int) -> AsyncIterator[str]:
+async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, top_k: int,
+                  reading) -> AsyncIterator[str]:
     sequence = 0
 
     def event(kind: str, **fields: Any) -> str:
@@ -133,27 +193,64 @@ async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, to
         sequence += 1
         return sse.named_event(payload)
 
+    parser, tools, prefix = reading
+    splitter = ToolCallStream(parser, prefix) if parser is not None else None
     located = {"item_id": response.message_id, "output_index": 0}
     empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     yield event("response.created", response=response.envelope("in_progress", [], None))
     yield event("response.in_progress", response=response.envelope("in_progress", [], None))
-    yield event("response.output_item.added", output_index=0,
-                item={"id": response.message_id, "type": "message", "status": "in_progress", "role": "assistant",
-                      "content": []})
-    yield event("response.content_part.added", **located, content_index=0, part=empty_part)
+    message_open = False
+
+    def open_message():
+        yield event("response.output_item.added", output_index=0,
+                    item={"id": response.message_id, "type": "message", "status": "in_progress",
+                          "role": "assistant", "content": []})
+        yield event("response.content_part.added", **located, content_index=0, part=empty_part)
+
+    if splitter is None:                       # without tools the message is the whole reply: open it at once
+        message_open = True
+        for opening in open_message():
+            yield opening
     completion = Completion()
+    text = ""
     async for _, output in gen.stream(response.id, [ids], params):
         completion.add(output)
-        if output.new_text or output.new_logprobs:
+        shown = splitter.feed(output.new_text) if splitter is not None else output.new_text
+        if shown and not message_open:
+            message_open = True
+            for opening in open_message():
+                yield opening
+        text += shown
+        if message_open and (shown or output.new_logprobs):
             delta_logprobs = _logprobs(gen, output.new_logprobs, top_k) if want_logprobs else []
-            yield event("response.output_text.delta", **located, content_index=0, delta=output.new_text,
+            yield event("response.output_text.delta", **located, content_index=0, delta=shown,
                         logprobs=delta_logprobs)
+    parsed = splitter.finish() if splitter is not None else ParsedOutput("")
+    calls = tools.keep(parsed.tool_calls)
+    if parsed.text or not (message_open or calls):
+        if not message_open:
+            message_open = True
+            for opening in open_message():
+                yield opening
+        if parsed.text:
+            yield event("response.output_text.delta", **located, content_index=0, delta=parsed.text, logprobs=[])
+            text += parsed.text
     logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
-    final = _final(response, completion, logprobs, len(ids))
-    item = final["output"][0]
-    yield event("response.output_text.done", **located, content_index=0, text=completion.text,
-                logprobs=logprobs or [])
-    yield event("response.content_part.done", **located, content_index=0, part=item["content"][0])
-    yield event("response.output_item.done", output_index=0, item=item)
+    call_items = [response.function_call(call) for call in calls]
+    final = _final(response, completion, logprobs, len(ids), text, call_items, show_text=message_open)
+    if message_open:
+        item = final["output"][0]
+        yield event("response.output_text.done", **located, content_index=0, text=text, logprobs=logprobs or [])
+        yield event("response.content_part.done", **located, content_index=0, part=item["content"][0])
+        yield event("response.output_item.done", output_index=0, item=item)
+    for output_index, (call, item) in enumerate(zip(calls, call_items), start=int(message_open)):
+        added = dict(item, status="in_progress", arguments="")
+        yield event("response.output_item.added", output_index=output_index, item=added)
+        for piece in tool_call_chunks(call.arguments):
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=output_index,
+                        delta=piece)
+        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=output_index,
+                    name=call.name, arguments=call.arguments)
+        yield event("response.output_item.done", output_index=output_index, item=item)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield event(kind, response=final)

@@ -58,10 +58,44 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"     # a JSON object as text (some clients send the object)
+
+
+class MessageToolCall(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _ChoiceName(_Body):
+    name: str
+
+
+class ChatNamedToolChoice(_Body):
+    type: Literal["function"]
+    function: _ChoiceName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -75,6 +109,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], ChatNamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
 
 # ---- OpenAI Completions ------------------------------------------------------------------------
@@ -105,6 +142,9 @@ class ResponsesRequest(_Body):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    tools: list[dict[str, Any]] | None = None           # function tools: {"type": "function", "name", ...}
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
     # vLLM's extensions, for clients that tune them
     top_k: int | None = None
     min_p: float | None = None
@@ -127,10 +167,26 @@ class AnthropicMessage(_Body):
     content: Union[str, list[AnthropicBlock]]
 
 
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None       # None: a server tool (web search, ...), not a function
+    type: str | None = None
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
 class AnthropicCountTokensRequest(_Body):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Union[str, list[AnthropicBlock], None] = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
