@@ -360,3 +360,29 @@ def test_download_help_imports_nothing_heavy():
                                      "HOME": "/nonexistent"})
         assert result.returncode == 0, result.stderr
         assert "--revision" in result.stdout and "--token-file" in result.stdout
+
+
+def test_flare_run_downloads_a_repository_and_leases_the_entry_while_serving(
+        hub, upload, options, flare_cache, approved, monkeypatch):
+    import io
+
+    from flare.server import launch
+
+    hub.add_commit(REPO, upload())
+    served = {}
+
+    def serve(model, listener, config, stages, stream, *rest):
+        cache = ModelCache(flare_cache)
+        served["entry"] = cache.entry_for_path(model.package_path)
+        with pytest.raises(UsageError, match="in use by a running process"):
+            cache.remove(served["entry"], clear_default=True)
+        return 0
+
+    monkeypatch.setattr(launch, "serve", serve)
+    stream = io.StringIO()
+    trust = TrustOptions(approve_key=approved.approve_key, accept_publisher=approved.accept_publisher)
+    run = launch.RunOptions(target=REPO, trust=trust, config=options.config, download=options)
+    assert launch.run_package(run, stream) == 0
+    assert served["entry"] is not None and ModelCache(flare_cache).entry_path(served["entry"]).is_dir()
+    assert f"downloaded from {REPO}, which is not its signed official source" in stream.getvalue()
+    ModelCache(flare_cache).remove(served["entry"], clear_default=True)     # the lease ends with serving
