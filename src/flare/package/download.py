@@ -436,6 +436,25 @@ def _remove_transport(repo_id: str, transport: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_abandoned_transports(cache: ModelCache, transport: Path | None = None) -> tuple[list[str], int]:
+    """Remove what failed downloads left in the transport cache (default `<cache>/transport`), skipping a
+    repository whose download is running now; returns the repositories' folder names and the bytes freed."""
+    import filelock
+
+    transport = transport or cache.root / TRANSPORT_DIR
+    removed, reclaimed = [], 0
+    for folder in sorted(transport.glob("models--*")) if transport.is_dir() else []:
+        repo_id = folder.name.removeprefix("models--").replace("--", "/", 1)
+        try:
+            with cache.lock(f"download-{model_key_for(repo_id.casefold())}").acquire(timeout=0):
+                reclaimed += sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+                _remove_transport(repo_id, transport)
+                removed.append(folder.name)
+        except filelock.Timeout:
+            continue                                    # being downloaded right now
+    return removed, reclaimed
+
+
 # -- the repository's files -----------------------------------------------------------------------------
 
 
