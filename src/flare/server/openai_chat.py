@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from flare.frontend.chat_template import ChatTemplateError
 from flare.server import sse
 from flare.server.errors import bad_request
 from flare.server.generation import Generation, new_id, usage_numbers
-from flare.server.openai_common import chat_logprobs, requested_sampling, usage
+from flare.server.openai_common import StreamChunks, chat_logprobs, requested_sampling, usage
 from flare.server.schemas import ChatCompletionRequest, ChatMessage
 
 
@@ -85,15 +85,7 @@ async def _complete(gen, body, request_id, ids, params, logprobs, echo_text) -> 
 
 
 async def _stream(gen, body, request_id, ids, params, logprobs, echo_text) -> AsyncIterator[str]:
-    created = int(time.time())
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices: list[dict], usage_value: Any = None) -> str:
-        payload = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                   "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            payload["usage"] = usage_value
-        return sse.data_event(payload)
+    chunk = StreamChunks(request_id, "chat.completion.chunk", body)
 
     for index in range(len(params)):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": echo_text}, "logprobs": None,
@@ -110,6 +102,6 @@ async def _stream(gen, body, request_id, ids, params, logprobs, echo_text) -> As
         if output.finished:
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": output.finish_reason,
                           "stop_reason": output.stop_reason}])
-    if include_usage:
+    if chunk.include_usage:
         yield chunk([], usage(len(ids), generated, cached))
     yield sse.DONE
