@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import threading
 import time
@@ -75,8 +76,9 @@ def test_startup_shows_stages_and_the_kv_report(server):
         assert f"{stage}: OK" in log
     assert "all weights" in log                        # --verify-weights hashed them
     assert "\x1b[" not in log                          # redirected output: plain lines only
-    assert "KV cache:" in log and "tokens allocated" in log and "limited by" in log
-    assert "footprint:" in log
+    assert "KV cache:" in log and "tokens allocated" in log
+    assert re.search(r"limited by (memory|context|concurrency)\b", log)   # which limit bound the pool
+    assert "scheduler balanced" in log and "footprint:" in log
 
 
 def test_models_and_the_served_name(oai):

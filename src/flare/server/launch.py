@@ -153,7 +153,7 @@ def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
     download = _download_options(options)
     with contextlib.ExitStack() as held:
         package = _open_package(options, download, stages, stream,
-                                lambda path: held.enter_context(lease_entry(path, download.cache_root)))
+                                lambda path: held.enter_context(lease_entry(path)))   # the cache it lies in
         held.callback(package.close)
         weight_bytes = sum(r["size"] for r in package.weight_payloads())
         return serve(_package_model(package, weight_bytes), options.listener, options.config, stages, stream)
