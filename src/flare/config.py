@@ -11,7 +11,6 @@ environment variable for any of these settings; `flare.environment` sets the one
 
 from __future__ import annotations
 
-import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from flare.errors import UsageError
+from flare.memory import parse_size
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 AUTOTUNE_EFFORTS = ("off", "default", "audit")
@@ -192,32 +192,7 @@ def resolve_setting_source(flag: Any, configured: Any, recipe: Any) -> tuple[Any
 # Values
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp])?(?:i?b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {None: 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4, "p": 1024 ** 5}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int, what: str) -> int:
-    """Bytes from a size such as "12G", "512MiB", "4gb" or "0" (binary units; a nonzero size needs a suffix).
-
-    `what` names the setting in the error message.
-    """
-    if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise UsageError(f"{what} must be a size such as \"4G\", not {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise UsageError(f"{what} must not be negative, not {text}")
-        return text
-    match = _SIZE.match(text)
-    if not match:
-        raise UsageError(f"{what} must be a size such as \"4G\", \"512MiB\" or \"0\", not {text!r}")
-    number, unit = float(match.group(1)), (match.group(2) or "").lower() or None
-    if unit is None and number != 0:
-        raise UsageError(f"{what} needs a unit such as G or MiB: {text!r}")
-    value = number * _SIZE_UNITS[unit]
-    if not math.isfinite(value) or value >= 2 ** 63:
-        raise UsageError(f"{what} is too large: {text!r}")
-    return int(value)
 
 
 def _string(value, key):

@@ -31,8 +31,8 @@ MEMORY_MODE_MIN_TOKENS_PER_REQUEST = 8192
 KV_CACHE_LIMITS = ("memory", "context", "concurrency")
 KVCacheLimit = Literal["memory", "context", "concurrency"]
 
-_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": TiB}
-_SIZE = re.compile(r"^(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[kmgt]?)(?:i?b)?$",
+_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": TiB, "p": 1 << 50}
+_SIZE = re.compile(r"^(?P<number>[0-9]*\.?[0-9]+)(?P<exponent>e[+-]?[0-9]+)?\s*(?P<unit>[kmgtp]?)(?:i?b)?$",
                    re.IGNORECASE)
 _LARGEST_SIZE = (1 << 63) - 1
 
@@ -41,23 +41,31 @@ _LARGEST_SIZE = (1 << 63) - 1
 # Parsing the user's limits
 # ----------------------------------------------------------------------------------------------------
 
-def parse_size(text: str, what: str, allow_bare_zero: bool = False) -> int:
-    """A byte count written with a binary suffix: 512M, 30G, 30GB, 30GiB, 1.5t (any case).
+def parse_size(text: str | int, what: str) -> int:
+    """A byte count written with a binary suffix: 512M, 30G, 30GB, 30GiB, 1.5t (any case), or "0".
 
-    `what` names the setting in the error. A bare "0" is accepted where `allow_bare_zero` (the
-    configuration's `reserve = "0"`); every other size needs its unit.
+    The one size parser of flags and configuration (`flare.config` uses it too). `what` names the setting
+    in the error. Every size but zero needs its unit; a whole number of bytes may be given as a TOML
+    integer. Exponents are refused (write the digits), after a size too large to hold is reported as such.
     """
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise UsageError(f"{what} {text!r} is not a size: write a number with a binary unit, e.g. \"30G\"")
+    if isinstance(text, int):
+        if text < 0:
+            raise UsageError(f"{what} must not be negative, not {text}")
+        return text
     stripped = text.strip()
-    if allow_bare_zero and stripped == "0":
+    if stripped == "0":
         return 0
     match = _SIZE.match(stripped)
     if not match or not match["unit"]:
         raise UsageError(f'{what} "{text}" is not a size: write a number with a binary unit, '
                          f'e.g. "512M", "30G" or "30GiB"')
-    number = float(match["number"])
-    size = number * _UNITS[match["unit"].lower()]
+    size = float(match["number"] + (match["exponent"] or "")) * _UNITS[match["unit"].lower()]
     if not math.isfinite(size) or size > _LARGEST_SIZE:
         raise UsageError(f'{what} "{text}" is too large')
+    if match["exponent"]:
+        raise UsageError(f'{what} "{text}": write the number in digits, e.g. "1000G", without an exponent')
     return int(size)
 
 
@@ -111,7 +119,7 @@ def _is_bare_number(text: str) -> bool:
 
 def parse_reserve(text: str) -> int:
     """`[memory] reserve`: GPU memory left free for processes started later ("0", "12G")."""
-    return parse_size(text, "[memory] reserve", allow_bare_zero=True)
+    return parse_size(text, "[memory] reserve")
 
 
 def parse_kv_cache_limit(text: str) -> KVCacheLimit:

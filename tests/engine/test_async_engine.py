@@ -104,3 +104,30 @@ def test_a_core_that_cannot_load_its_model_says_why(tokenizer, tmp_path):
 
     with pytest.raises(EngineDeadError, match="config.json"):
         AsyncEngine(ModelFactory(load_checkpoint_model, (str(tmp_path / "missing"),)), tokenizer)
+
+
+def test_stats_carry_the_page_check_from_when_the_core_went_idle(async_engine, tokenizer):
+    asyncio.run(collect(async_engine, "idle-check", tokenizer.encode("Once upon a time"),
+                        SamplingParams(temperature=0, max_tokens=5)))
+    stats = async_engine.stats()          # taken with the final output, when nothing was left to run
+    assert (stats.num_running, stats.num_waiting, stats.kv_pages_used) == (0, 0, 0)
+    assert stats.page_integrity == "ok"
+
+
+def test_a_core_that_dies_is_reported_as_dead(stories260k, tokenizer):
+    import time
+
+    from flare.engine.async_engine import EngineDeadError
+
+    engine = AsyncEngine.from_checkpoint(stories260k, CONFIG, seed=0)
+    try:
+        assert engine.dead_reason is None
+        engine._process.kill()
+        deadline = time.monotonic() + 10
+        while engine.dead_reason is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "exited" in engine.dead_reason
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(engine, "after-death", tokenizer.encode("Lily"), SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown()

@@ -19,7 +19,7 @@ from flare.package.convert import convert  # noqa: E402
 from flare.package.download import DownloadOptions, download, resolve_package_target, select_primary  # noqa: E402
 from flare.package.reader import open_package  # noqa: E402
 from flare.package.sources import SourceRecords  # noqa: E402
-from flare.package.store import ModelCache, sha256_file  # noqa: E402
+from flare.package.store import ModelCache, model_key_for, sha256_file  # noqa: E402
 from flare.package.trust import TrustOptions  # noqa: E402
 
 REPO = "Acme/Stories-Flare"
@@ -360,3 +360,61 @@ def test_download_help_imports_nothing_heavy():
                                      "HOME": "/nonexistent"})
         assert result.returncode == 0, result.stderr
         assert "--revision" in result.stdout and "--token-file" in result.stdout
+
+
+def test_flare_run_downloads_a_repository_and_leases_the_entry_while_serving(
+        hub, upload, options, flare_cache, approved, monkeypatch):
+    import io
+
+    from flare.server import launch
+
+    hub.add_commit(REPO, upload())
+    served = {}
+
+    def serve(model, listener, config, stages, stream, *rest):
+        cache = ModelCache(flare_cache)
+        served["entry"] = cache.entry_for_path(model.package_path)
+        with pytest.raises(UsageError, match="in use by a running process"):
+            cache.remove(served["entry"], clear_default=True)
+        return 0
+
+    monkeypatch.setattr(launch, "serve", serve)
+    stream = io.StringIO()
+    trust = TrustOptions(approve_key=approved.approve_key, accept_publisher=approved.accept_publisher)
+    run = launch.RunOptions(target=REPO, trust=trust, config=options.config, download=options)
+    assert launch.run_package(run, stream) == 0
+    assert served["entry"] is not None and ModelCache(flare_cache).entry_path(served["entry"]).is_dir()
+    assert f"downloaded from {REPO}, which is not its signed official source" in stream.getvalue()
+    ModelCache(flare_cache).remove(served["entry"], clear_default=True)     # the lease ends with serving
+
+
+def test_models_gc_reclaims_abandoned_transfers_and_records_of_removed_entries(
+        hub, upload, config_file, flare_cache, capsys):
+    import json
+
+    hub.add_commit(REPO, upload())
+    assert flare("download", REPO, config_file=config_file, flare_cache=flare_cache) == 0
+    entry = Path(capsys.readouterr().out.strip())
+    cache = ModelCache(flare_cache)
+    transport = flare_cache / "transport"
+    failed = transport / "models--Acme--Broken" / "blobs"          # what an interrupted download leaves
+    failed.mkdir(parents=True)
+    (failed / "partial").write_bytes(b"x" * 1000)
+    running = transport / "models--Acme--Running" / "blobs"
+    running.mkdir(parents=True)
+    records = SourceRecords(cache)
+    assert records.records(REPO)
+
+    with cache.lock(f"download-{model_key_for('acme/running')}"):                  # a download in progress keeps its files
+        assert main(["models", "gc", "--json", "--model-cache", str(flare_cache)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["removed_transport"] == ["models--Acme--Broken"] and first["reclaimed_bytes"] >= 1000
+    assert first["removed_source_records"] == [] and running.is_dir() and not failed.exists()
+
+    main(["models", "remove", f"{entry.parent.name}@{entry.name}", "--clear-default", "--model-cache",
+          str(flare_cache)])
+    capsys.readouterr()
+    assert main(["models", "gc", "--json", "--model-cache", str(flare_cache)]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert len(second["removed_source_records"]) == 1 and REPO in second["removed_source_records"][0]
+    assert records.records(REPO) == [] and not records.path_for(REPO).exists()

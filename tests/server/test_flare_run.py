@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import threading
 import time
@@ -75,8 +76,9 @@ def test_startup_shows_stages_and_the_kv_report(server):
         assert f"{stage}: OK" in log
     assert "all weights" in log                        # --verify-weights hashed them
     assert "\x1b[" not in log                          # redirected output: plain lines only
-    assert "KV cache:" in log and "tokens allocated" in log and "limited by" in log
-    assert "footprint:" in log
+    assert "KV cache:" in log and "tokens allocated" in log
+    assert re.search(r"limited by (memory|context|concurrency)\b", log)   # which limit bound the pool
+    assert "scheduler balanced" in log and "footprint:" in log
 
 
 def test_models_and_the_served_name(oai):
@@ -249,7 +251,7 @@ def test_disconnect_mid_stream_frees_the_request(server):
     stats = wait_idle(server, timeout=5)
     assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
     assert stats["kv_pages_used"] == 0                 # every page is back (cached pages count as free)
-    assert stats.get("integrity", "ok") == "ok"        # the engine's own page check, where it reports one
+    assert stats["page_integrity"] == "ok"             # the engine's own page check, run as it went idle
 
 
 @pytest.mark.slow
@@ -282,9 +284,82 @@ def test_128_concurrent_streams_deliver_every_token(server):
     stats = wait_idle(server)
     assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
     assert stats["kv_pages_used"] == 0                 # every page is back (cached pages count as free)
-    assert stats.get("integrity", "ok") == "ok"        # the engine's own page check, where it reports one
+    assert stats["page_integrity"] == "ok"             # the engine's own page check, run as it went idle
     metrics = httpx.get(server.url + "/metrics").text
     assert "flare_time_to_first_token_seconds_count" in metrics and "flare_kv_cache_usage_ratio" in metrics
+
+
+def scrape(server) -> dict[str, float]:
+    """/metrics as {sample name: value}, for samples without labels; each family's kind under "# TYPE name"
+    (without the _total a counter's samples carry)."""
+    samples = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            samples["# TYPE " + name.removesuffix("_total")] = kind
+        elif line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_engine_counters_are_prometheus_counters_that_grow(server, oai):
+    wait_idle(server)
+    before = scrape(server)
+    prompt = " ".join(["The little dog ran to the park and played with a red ball."] * 6)
+    for _ in range(2):                                 # the second request finds the first one's prompt pages
+        oai.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": prompt}], max_tokens=4,
+                                    temperature=0)
+    wait_idle(server)
+    after = scrape(server)
+    for name in ("flare_prefix_cache_hit_tokens", "flare_prefix_cache_miss_tokens",
+                 "flare_prefix_cache_evicted_pages", "flare_computed_tokens", "flare_num_preemptions"):
+        assert after["# TYPE " + name] == "counter"
+        assert after[name + "_total"] >= before[name + "_total"]
+    for name in ("flare_prefix_cache_resident_pages", "flare_kv_cache_usage_ratio", "flare_num_requests_running",
+                 "flare_num_requests_waiting"):
+        assert after["# TYPE " + name] == "gauge"
+    assert after["flare_prefix_cache_hit_tokens_total"] - before["flare_prefix_cache_hit_tokens_total"] >= 16
+    assert after["flare_prefix_cache_miss_tokens_total"] > before["flare_prefix_cache_miss_tokens_total"]
+    assert after["flare_computed_tokens_total"] > before["flare_computed_tokens_total"]
+    assert after["flare_prefix_cache_resident_pages"] > 0
+    assert after["flare_num_requests_running"] == after["flare_num_requests_waiting"] == 0
+
+
+def test_a_conversation_reuses_the_previous_turn_from_the_cache(oai, claude):
+    system = "You tell short stories about animals who live in a small village by the sea."
+    first = [{"role": "user", "content": "Tell me about a cat named Tom who finds a shiny stone on the beach."}]
+    turn1 = oai.chat.completions.create(model=ALIAS, messages=[{"role": "system", "content": system}, *first],
+                                        max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    answer = turn1.choices[0].message.content
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "What did he do next?"}]
+    turn2 = oai.chat.completions.create(model=ALIAS, messages=[{"role": "system", "content": system}, *second],
+                                        max_tokens=8, temperature=0)
+    cached = turn2.usage.prompt_tokens_details.cached_tokens
+    # Turn 2 finds turn 1's whole prompt and most of its answer cached: full pages of 16 tokens are shared,
+    # so at most the last partial page and the re-rendered end of the answer are computed again.
+    assert cached > turn1.usage.prompt_tokens
+    assert cached >= turn1.usage.prompt_tokens + turn1.usage.completion_tokens - 2 * 16
+    assert cached < turn2.usage.prompt_tokens
+
+    # The same conversation through the Anthropic API renders the same prompt, and reads it from the cache.
+    reply = claude.messages.create(model=ALIAS, system=system, messages=second, max_tokens=8)
+    assert reply.usage.cache_read_input_tokens > turn1.usage.prompt_tokens
+    assert reply.usage.cache_read_input_tokens + reply.usage.input_tokens >= turn2.usage.prompt_tokens - 16
+
+
+def test_models_remove_refuses_the_entry_a_server_is_serving(server):
+    import subprocess
+
+    from tests.server.conftest import cli_command, cli_env
+
+    entry = next((server.home / ".cache" / "flare" / "packages" / "models").glob("*/*"))
+    done = subprocess.run(cli_command("flare", "models", "remove", f"{entry.parent.name}@{entry.name}",
+                                      "--clear-default"), env=cli_env(server.home), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "in use by a running process" in done.stderr
+    assert entry.is_dir()
 
 
 def test_sampling_controls_reach_the_sampler(oai):

@@ -259,3 +259,18 @@ def test_null_fields_mean_their_defaults(served):
             "stream": None, "logprobs": None, "temperature": None, "stop": None, "stream_options": None}
     reply = httpx.post(served.url + "/v1/chat/completions", json=body, headers={"x-api-key": KEY})
     assert reply.status_code == 200 and len(reply.json()["choices"]) == 1
+
+
+def test_health_is_503_with_the_reason_once_the_engine_died(stories260k):
+    from fastapi.testclient import TestClient
+
+    frontend = ServingFrontend.from_dir(stories260k)
+    engine = StandinEngine(frontend)
+    settings = ServerSettings(served_names=("tiny",), canonical_id="org/Tiny-260K", max_model_len=512,
+                              max_concurrency=8)
+    with TestClient(build_app(engine, frontend, settings)) as client:
+        assert client.get("/health").status_code == 200
+        engine.dead_reason = "the engine core exited (exit code -9)"
+        reply = client.get("/health")
+    assert reply.status_code == 503
+    assert "exit code -9" in reply.json()["message"]

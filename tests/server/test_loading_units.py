@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from flare.errors import CapacityError, UsageError
+from flare.errors import UsageError
 from flare.server.kv_sizing import serving_kv_pool
 from flare.server.launch import ListenerOptions, api_key, serving_concurrency, served_names
 from flare.server.listener import open_listener, url_for
@@ -97,7 +97,7 @@ def test_concurrency_precedence_and_the_prepared_capacity():
     assert serving_concurrency(None, None, _model()) == 8
     assert serving_concurrency(None, Config(4), _model()) == 4
     assert serving_concurrency(2, Config(4), _model()) == 2
-    with pytest.raises(CapacityError, match="prepared for at most 8"):
+    with pytest.raises(UsageError, match="--max-concurrency 16 exceeds the package's prepared concurrency 8"):
         serving_concurrency(16, None, _model())
 
 
@@ -129,3 +129,37 @@ def test_kv_pool_follows_the_kv_cache_limit(stories260k):
     assert per_request.bytes == 8 * 512 * 2 * 5 * 4 * 8 * 4       # K and V, 5 layers, 4 heads of 8, fp32
     with pytest.raises(UsageError):
         serving_kv_pool(model, 8, "memory", "lots", 0)
+
+
+def test_serving_engine_config_carries_the_policy_the_concurrency_and_the_pool_limit(stories260k):
+    import json
+
+    from flare.engine.policy import SchedulerPolicy
+    from flare.server.kv_sizing import serving_engine_config
+
+    model = _model(hf_config=json.loads((stories260k / "config.json").read_text()))
+    pool = serving_kv_pool(model, 4, "context", None, 0)
+    policy = SchedulerPolicy("throughput", terminal_value=10, terminal_age_price=0)
+    config = serving_engine_config(model, 4, pool, policy)
+    assert config.scheduler_policy == policy and config.max_concurrency == 4
+    assert config.prepared_concurrency == 8 and config.kv_pool_limited_by == "context"
+    # Room above one chunk is what lets throughput carry more prompt work than balanced.
+    assert config.max_num_batched_tokens > config.prefill_chunk
+    budget, chunk = config.max_num_batched_tokens, config.prefill_chunk
+    assert policy.prefill_cap(budget, chunk, anyone_decoding=True) > \
+        SchedulerPolicy("balanced").prefill_cap(budget, chunk, anyone_decoding=True)
+    assert serving_engine_config(model, 8, serving_kv_pool(model, 8, "concurrency", None, 0)).kv_pool_limited_by \
+        == "concurrency"
+
+
+@pytest.mark.parametrize("flag, value", [("--scheduler-policy", "fastest"), ("--scheduler-terminal-value", "-1"),
+                                         ("--scheduler-terminal-age-price", "lots")])
+def test_bad_scheduler_flags_are_usage_errors_naming_the_flag(tmp_path, flag, value):
+    import subprocess
+
+    from tests.server.conftest import cli_command, cli_env
+
+    done = subprocess.run(cli_command("flare", "run", str(tmp_path / "missing.safetensors"), flag, value),
+                          env=cli_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert flag in done.stderr

@@ -95,9 +95,14 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """The core's numbers as of its latest report: running and waiting requests, KV pages in use, and
-        the prefix cache's counters (hit and miss prompt tokens, evicted pages) and resident pages.
-        What bound the KV pool at startup is `engine_config.kv_pool_limited_by`."""
+        the prefix cache's counters (hit and miss prompt tokens, evicted pages) and resident pages, and the
+        page integrity check's result from the last time the core went idle. What bound the KV pool at startup is `engine_config.kv_pool_limited_by`."""
         return self._stats
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine-core process stopped (it exited, failed or was shut down); None while it runs."""
+        return self._dead
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

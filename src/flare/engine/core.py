@@ -43,6 +43,9 @@ class EngineStats:
     prefix_cache_evicted_pages: int = 0     # counter: cached pages reclaimed for new content
     prefix_cache_resident_pages: int = 0    # gauge: pages holding reusable cached content, in use or not
     num_computed_tokens: int = 0            # counter: tokens the model computed (prefill and decode)
+    # The page integrity check (`EngineCore.check_integrity`) as of these numbers: "ok", the problem it
+    # found, or "unchecked" when these stats were taken without running it.
+    page_integrity: str = "unchecked"
 
 
 class EngineCore:
@@ -96,7 +99,8 @@ class EngineCore:
                 raise KVCacheIntegrityError(
                     f"request {request.request_id!r} computed {request.num_computed_tokens} tokens but holds {held} pages")
 
-    def stats(self) -> EngineStats:
+    def stats(self, check_integrity: bool = False) -> EngineStats:
+        """The numbers now; with `check_integrity`, also the page integrity check's result (never raises)."""
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_pages,
@@ -105,7 +109,15 @@ class EngineCore:
             prefix_cache_miss_tokens=self.scheduler.num_prefix_miss_tokens,
             prefix_cache_evicted_pages=self.allocator.num_evicted_pages,
             prefix_cache_resident_pages=self.allocator.num_cached_pages,
-            num_computed_tokens=self._num_computed_tokens)
+            num_computed_tokens=self._num_computed_tokens,
+            page_integrity=self._integrity() if check_integrity else "unchecked")
+
+    def _integrity(self) -> str:
+        try:
+            self.check_integrity()
+        except KVCacheIntegrityError as error:
+            return f"{type(error).__name__}: {error}"
+        return "ok"
 
     # ---- internals -------------------------------------------------------------------------------
 

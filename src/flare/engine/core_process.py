@@ -74,7 +74,10 @@ def _serve(core, commands, outputs, parent: int) -> None:
             changed, timeout = True, 0
         produced = core.step() if core.has_unfinished() else []
         if produced or changed:
-            outputs.send(pickle.dumps(("outputs", produced, core.stats())))
+            # Going idle is a consistent moment to check the pages: every finished request has given its
+            # pages back, so a leak shows in the stats the frontend reads.
+            stats = core.stats(check_integrity=not core.has_unfinished())
+            outputs.send(pickle.dumps(("outputs", produced, stats)))
 
 
 def _handle(core, message: tuple) -> tuple | None:

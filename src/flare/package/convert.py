@@ -7,16 +7,15 @@ bytes are copied. No signing key and no GPU are needed.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 from pathlib import Path
 
 from flare.errors import UsageError
 from flare.package import format as fmt
-from flare.package.store import sha256_file
+from flare.package.store import copy_range, sha256_file, try_hard_link
 from flare.package.trust import TrustOptions, verify_signature
-from flare.package.verify import IntegrityError, check_layout
+from flare.package.verify import IntegrityError, check_layout, copy_payload
 
 FORMS = ("directory", "packed")
 
@@ -60,36 +59,9 @@ def _write_directory(files: fmt.PackageFiles, payloads: list[dict], destination:
         target = destination / record["name"]
         target.parent.mkdir(parents=True, exist_ok=True)
         location = files.locate(record["name"], record["size"])
-        if files.form == "directory" and _try_link(location.path, target):
+        if files.form == "directory" and try_hard_link(location.path, target):
             continue
-        _copy_range(location.path, location.offset, record, target)
-
-
-def _try_link(source: Path, target: Path) -> bool:
-    try:
-        os.link(source, target)
-        return True
-    except OSError as error:
-        if error.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            return False                                # another filesystem: copy the bytes instead
-        raise
-
-
-def _copy_range(path: Path, offset: int, record: dict, target: Path) -> None:
-    import hashlib
-    digest = hashlib.sha256()
-    remaining = record["size"]
-    with open(path, "rb") as source, open(target, "wb") as sink:
-        source.seek(offset)
-        while remaining:
-            chunk = source.read(min(remaining, 8 * 1024 * 1024))
-            if not chunk:
-                break
-            digest.update(chunk)
-            sink.write(chunk)
-            remaining -= len(chunk)
-    if remaining or digest.hexdigest() != record["sha256"]:
-        raise IntegrityError(f"payload {record['name']} differs from the signed manifest; conversion stopped")
+        copy_payload(files, record, target, "conversion stopped")
 
 
 def _write_packed(files: fmt.PackageFiles, payloads: list[dict], destination: Path) -> None:
@@ -105,7 +77,7 @@ def _write_packed(files: fmt.PackageFiles, payloads: list[dict], destination: Pa
             record = value
             location = files.locate(record["name"], record["size"])
             start = sink.tell()
-            _append_range(location.path, location.offset, record, sink)
+            copy_range(location.path, location.offset, record["size"], sink)
             if sink.tell() - start != record["size"]:
                 raise IntegrityError(f"payload {record['name']} is truncated; conversion stopped")
     written = fmt.read_package_files(destination).packed_locations
@@ -139,15 +111,3 @@ def _packed_header(metadata: dict[str, str], entries) -> bytes:
     text = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-(8 + len(text)) % fmt.PACKED_ALIGNMENT)       # data section starts aligned
     return struct.pack("<Q", len(text)) + text
-
-
-def _append_range(path: Path, offset: int, record: dict, sink) -> None:
-    remaining = record["size"]
-    with open(path, "rb") as source:
-        source.seek(offset)
-        while remaining:
-            chunk = source.read(min(remaining, 8 * 1024 * 1024))
-            if not chunk:
-                break
-            sink.write(chunk)
-            remaining -= len(chunk)

@@ -19,7 +19,6 @@ a failure so the next attempt resumes.
 
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
 import re
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING, TextIO
 from flare.errors import FetchError, FlareError, PreparationError, UsageError
 from flare.package import format as fmt
 from flare.package.sources import SourceRecord, SourceRecords, envelope_sha256
-from flare.package.store import EntryId, ModelCache, model_key_for, sha256_file
+from flare.package.store import EntryId, ModelCache, copy_range, model_key_for, sha256_file, try_hard_link
 
 if TYPE_CHECKING:
     from flare.config import Config
@@ -392,7 +391,8 @@ def _receive_payload(record: dict, package: fmt.PackageFiles, remote: _Remote, c
     companion = remote.companion(record["name"])
     if package.form == "packed":
         location = package.locate(record["name"], record["size"])
-        _copy_range(location.path, location.offset, record["size"], target)
+        with open(target, "wb") as sink:
+            copy_range(location.path, location.offset, record["size"], sink)
     else:
         if companion not in remote.files:
             raise FetchError(f"{remote.where} lacks {companion}, which the signed manifest of its package names; "
@@ -434,6 +434,25 @@ def _remove_transport(repo_id: str, transport: Path) -> None:
 
     for folder in (transport / repo_folder_name(repo_id), transport / ".locks" / repo_folder_name(repo_id)):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_abandoned_transports(cache: ModelCache, transport: Path | None = None) -> tuple[list[str], int]:
+    """Remove what failed downloads left in the transport cache (default `<cache>/transport`), skipping a
+    repository whose download is running now; returns the repositories' folder names and the bytes freed."""
+    import filelock
+
+    transport = transport or cache.root / TRANSPORT_DIR
+    removed, reclaimed = [], 0
+    for folder in sorted(transport.glob("models--*")) if transport.is_dir() else []:
+        repo_id = folder.name.removeprefix("models--").replace("--", "/", 1)
+        try:
+            with cache.lock(f"download-{model_key_for(repo_id.casefold())}").acquire(timeout=0):
+                reclaimed += sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+                _remove_transport(repo_id, transport)
+                removed.append(folder.name)
+        except filelock.Timeout:
+            continue                                    # being downloaded right now
+    return removed, reclaimed
 
 
 # -- the repository's files -----------------------------------------------------------------------------
@@ -560,24 +579,8 @@ def _place(source: Path, target: Path) -> None:
     when the transport is on another filesystem."""
     resolved = Path(source).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(resolved, target)
-    except OSError as error:
-        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
+    if not try_hard_link(resolved, target):
         shutil.copyfile(resolved, target)
-
-
-def _copy_range(path: Path, offset: int, size: int, target: Path) -> None:
-    with open(path, "rb") as source, open(target, "wb") as sink:
-        source.seek(offset)
-        remaining = size
-        while remaining:
-            chunk = source.read(min(remaining, 8 * 1024 * 1024))
-            if not chunk:
-                break
-            sink.write(chunk)
-            remaining -= len(chunk)
 
 
 def _size(count: int) -> str:

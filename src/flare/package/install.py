@@ -7,14 +7,13 @@ Installing a version the cache already has returns the existing entry when its s
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from flare.errors import PreparationError
 from flare.package import format as fmt
 from flare.package.store import EntryId, ModelCache
 from flare.package.trust import TrustOptions, verify_signature
-from flare.package.verify import IntegrityError, check_layout
+from flare.package.verify import check_layout, copy_payload
 
 
 def install_package(source: Path, cache: ModelCache, trust: TrustOptions | None = None,
@@ -43,23 +42,7 @@ def install_package(source: Path, cache: ModelCache, trust: TrustOptions | None 
             if cache.has_blob(record["sha256"]):
                 cache.link_blob(record["sha256"], staged)
                 continue
-            _copy_checked(files, record, staged)
+            copy_payload(files, record, staged, "nothing was installed")
             cache.store_payload(staged, record["sha256"])
         fmt.write_primary(tree / fmt.PRIMARY_NAME, files.primary)
         return cache.publish(tree, entry, select=select)
-
-
-def _copy_checked(files: fmt.PackageFiles, record: dict, target: Path) -> None:
-    location = files.locate(record["name"], record["size"])
-    digest, remaining = hashlib.sha256(), record["size"]
-    with open(location.path, "rb") as source, open(target, "wb") as sink:
-        source.seek(location.offset)
-        while remaining:
-            chunk = source.read(min(remaining, 8 * 1024 * 1024))
-            if not chunk:
-                break
-            digest.update(chunk)
-            sink.write(chunk)
-            remaining -= len(chunk)
-    if remaining or digest.hexdigest() != record["sha256"]:
-        raise IntegrityError(f"payload {record['name']} differs from the signed manifest; nothing was installed")

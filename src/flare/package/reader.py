@@ -151,9 +151,6 @@ def read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[s
     return frontend, catalogs
 
 
-_read_small_payloads = read_small_payloads          # the name an earlier revision exported
-
-
 def _decode(data: bytes, name: str) -> tuple[dict[str, bytes], dict[str, str]]:
     import io
     header = st.read_header(io.BytesIO(data), 0, len(data), what=f"payload {name}")

@@ -117,6 +117,21 @@ class SourceRecords:
         entry = self.cache.entry_for_path(path)
         return self.origin_of(entry) if entry is not None else None
 
+    def prune_removed(self) -> list[str]:
+        """Drop the records of entries no longer in the cache (a repository file with none left goes too);
+        returns "Org/Name@commit -> model@version" for each record dropped."""
+        dropped = []
+        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
+            with self.cache.lock(f"sources-{path.stem}"):
+                records = _read_records(path, "")
+                kept = [r for r in records if self.cache.entry_path(r.entry).is_dir()]
+                dropped += [f"{r.repository}@{r.commit} -> {r.entry}" for r in records if r not in kept]
+                if not kept:
+                    path.unlink(missing_ok=True)
+                elif len(kept) < len(records):
+                    self._write(kept[0].repository, kept)
+        return dropped
+
     def origin_of(self, entry: EntryId) -> SourceRecord | None:
         """The latest download that installed `entry`, or None for an entry exported locally."""
         latest = None

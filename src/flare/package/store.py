@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import hashlib
 import os
@@ -27,7 +28,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from filelock import FileLock
 
@@ -61,6 +62,35 @@ def sha256_file(path: Path, offset: int = 0, size: int | None = None, on_bytes=N
             if on_bytes is not None:
                 on_bytes(len(chunk))
     return digest.hexdigest()
+
+
+def try_hard_link(source: Path, target: Path) -> bool:
+    """Hard-link `target` to `source`; False where the filesystem cannot (another device, no links), so
+    the caller copies the bytes instead. Other errors propagate."""
+    try:
+        os.link(source, target)
+        return True
+    except OSError as error:
+        if error.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            return False
+        raise
+
+
+def copy_range(path: Path, offset: int, size: int, sink: BinaryIO, on_chunk=None) -> int:
+    """Append `size` bytes from `offset` of `path` to the open file `sink`, passing each chunk to
+    `on_chunk` (to hash it on the way); returns the bytes copied, fewer when the file ends early."""
+    remaining = size
+    with open(path, "rb") as source:
+        source.seek(offset)
+        while remaining:
+            chunk = source.read(min(remaining, HASH_CHUNK))
+            if not chunk:
+                break
+            if on_chunk is not None:
+                on_chunk(chunk)
+            sink.write(chunk)
+            remaining -= len(chunk)
+    return size - remaining
 
 
 @dataclass(frozen=True)

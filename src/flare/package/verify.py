@@ -13,7 +13,7 @@ from typing import Callable
 
 from flare.errors import PreparationError
 from flare.package.format import PackageFiles
-from flare.package.store import sha256_file
+from flare.package.store import copy_range, sha256_file
 
 MAX_HASH_WORKERS = 8
 
@@ -86,3 +86,14 @@ def _compare(record: dict, size: int, digest: str) -> None:
     if digest != record["sha256"]:
         raise IntegrityError(f"payload {record['name']} is corrupt: its SHA-256 is {digest}, the signed manifest "
                              f"records {record['sha256']}; {_advice()}")
+
+
+def copy_payload(files: PackageFiles, record: dict, target, consequence: str) -> None:
+    """Copy one payload's bytes, wherever `files` keeps them, into the file `target`, checking them against
+    the signed size and SHA-256 on the way; the IntegrityError ends with `consequence`."""
+    location = files.locate(record["name"], record["size"])
+    digest = hashlib.sha256()
+    with open(target, "wb") as sink:
+        copied = copy_range(location.path, location.offset, record["size"], sink, digest.update)
+    if copied != record["size"] or digest.hexdigest() != record["sha256"]:
+        raise IntegrityError(f"payload {record['name']} differs from the signed manifest; {consequence}")

@@ -55,6 +55,15 @@ class Checkpoint:
         return self.config.get("max_position_embeddings")
 
 
+def hub_checkpoint(architecture: str, organization: str, alias: str, served_name: str, revision: str | None,
+                   stored_bytes: int | None, config: Mapping[str, Any]) -> Checkpoint:
+    """A checkpoint published as `organization/served_name`, its decode weight bytes computed from `config`.
+    Recipes bind the first two (`functools.partial`) and list their checkpoints with the rest."""
+    return Checkpoint(alias=alias, architecture=architecture, served_name=served_name,
+                      repo_id=f"{organization}/{served_name}", revision=revision, stored_bytes=stored_bytes,
+                      decode_weight_bytes=decode_weight_bytes(config), config=config)
+
+
 @dataclass(frozen=True)
 class ConcurrencyRange:
     minimum: int

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
-                                Speculation, decode_weight_bytes, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
+                                hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "MistralForCausalLM"
 
@@ -17,10 +17,8 @@ MISTRAL_7B_V03_CONFIG = {
 # The revision is a commit (2025-12-03) quoted for this repository in public code; stored_bytes is
 # its index's total_size (the tests recompute it from the config's shapes).
 CHECKPOINTS = (
-    Checkpoint(alias="mistral-7b-instruct-v0.3", architecture=ARCHITECTURE,
-               served_name="Mistral-7B-Instruct-v0.3", repo_id="mistralai/Mistral-7B-Instruct-v0.3",
-               revision="c170c708c41dac9275d15a8fff4eca08d52bab71", stored_bytes=14_496_047_104,
-               decode_weight_bytes=decode_weight_bytes(MISTRAL_7B_V03_CONFIG), config=MISTRAL_7B_V03_CONFIG),
+    hub_checkpoint(ARCHITECTURE, "mistralai", "mistral-7b-instruct-v0.3", "Mistral-7B-Instruct-v0.3",
+                   "c170c708c41dac9275d15a8fff4eca08d52bab71", 14_496_047_104, MISTRAL_7B_V03_CONFIG),
 )
 
 # The model card recommends no sampling settings and its generation_config.json carries only token

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
-                                Speculation, decode_weight_bytes, sampling_ranges)
+from functools import partial
+
+from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
+                                hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -16,10 +18,7 @@ def _config(hidden, layers, heads, intermediate, tied):
             "tie_word_embeddings": tied, "torch_dtype": "bfloat16"}
 
 
-def _checkpoint(alias, served_name, revision, stored_bytes, config):
-    return Checkpoint(alias=alias, architecture=ARCHITECTURE, served_name=served_name,
-                      repo_id=f"Qwen/{served_name}", revision=revision, stored_bytes=stored_bytes,
-                      decode_weight_bytes=decode_weight_bytes(config), config=config)
+_checkpoint = partial(hub_checkpoint, ARCHITECTURE, "Qwen")
 
 
 # Revisions are commits quoted for these repositories in public code (snapshot paths and

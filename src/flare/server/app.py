@@ -318,6 +318,10 @@ def build_app(engine: Any, frontend: Any, settings: ServerSettings) -> FastAPI:
         if not state.ready:
             reason = "shutting down" if state.draining else "loading"
             return JSONResponse({"status": reason}, status_code=503)
+        dead = getattr(state.engine, "dead_reason", None)
+        if dead:
+            return JSONResponse({"status": "engine failed", "message": f"{dead}; restart the server"},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

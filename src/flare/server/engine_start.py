@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from flare.server.kv_sizing import KVPool
 from flare.server.served_model import ServedModel
 from flare.ui.stages import StageReporter
 
@@ -42,15 +41,7 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     return cfg, network
 
 
-def engine_config_for(model: ServedModel, concurrency: int, pool: KVPool):
-    from flare.engine.config import EngineConfig
-
-    return EngineConfig(max_concurrency=concurrency, page_size=pool.page_size, num_pages=pool.pages,
-                        prefill_chunk=model.prefill_chunk, max_num_batched_tokens=max(model.prefill_chunk, concurrency),
-                        max_model_len=model.max_model_len)
-
-
-def start_in_process(model: ServedModel, concurrency: int, pool: KVPool, device: str, stages: StageReporter):
+def start_in_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
     """debug-serve: load, prepare and allocate here; the core steps on a thread of this process."""
     from flare.engine.factory import LoadedModel, build_core
     from flare.frontend.tokenizer import eos_token_ids_of
@@ -60,9 +51,8 @@ def start_in_process(model: ServedModel, concurrency: int, pool: KVPool, device:
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
     with stages.stage("Allocate caches") as stage:
         eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *eos_token_ids_of(model.frontend_dir, None))))
-        core = build_core(LoadedModel(cfg, network, eos, engine_config_for(model, concurrency, pool), device,
-                                      model.dtype))
-        stage.note(f"{pool.tokens:,} KV tokens in {pool.pages:,} pages of {pool.page_size}")
+        core = build_core(LoadedModel(cfg, network, eos, engine_config, device, model.dtype))
+        stage.note(_pool_note(engine_config))
 
     def client(frontend: Any) -> Any:
         from flare.engine.llm_engine import LLMEngine
@@ -72,8 +62,7 @@ def start_in_process(model: ServedModel, concurrency: int, pool: KVPool, device:
     return client
 
 
-def start_engine_process(model: ServedModel, concurrency: int, pool: KVPool, device: str,
-                         stages: StageReporter):
+def start_engine_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
     """flare run: the engine core loads the package in its own process; its progress drives the stages."""
     import multiprocessing
     import queue
@@ -84,7 +73,7 @@ def start_engine_process(model: ServedModel, concurrency: int, pool: KVPool, dev
     from flare.server.package_model import STAGE_ALLOCATE, STAGE_PREPARE, load_package_model
 
     progress = multiprocessing.get_context("spawn").Queue()
-    factory = ModelFactory(load_package_model, (str(model.package_path), engine_config_for(model, concurrency, pool),
+    factory = ModelFactory(load_package_model, (str(model.package_path), engine_config,
                                                 device, model.dtype, tuple(eos_token_ids_of(model.frontend_dir, None)),
                                                 progress))
     outcome: dict[str, Any] = {}
@@ -129,11 +118,16 @@ def start_engine_process(model: ServedModel, concurrency: int, pool: KVPool, dev
         starter.join()
         if "error" in outcome:
             raise _startup_error(outcome["error"])
-        stage.note(f"{pool.tokens:,} KV tokens in {pool.pages:,} pages of {pool.page_size}")
+        stage.note(_pool_note(engine_config))
     progress.close()
     client = lambda frontend: outcome["engine"]
     client.tokenizer = outcome["tokenizer"]
     return client
+
+
+def _pool_note(engine_config: Any) -> str:
+    return (f"{engine_config.kv_capacity_tokens:,} KV tokens in {engine_config.num_pages:,} pages of "
+            f"{engine_config.page_size}")
 
 
 def _startup_error(error: BaseException) -> BaseException:

@@ -1,4 +1,9 @@
-"""The KV page pool for serving, sized by `flare.memory` from the device, the limits and the reserve.
+"""The serving engine's capacity: the KV page pool (sized by `flare.memory`) and the EngineConfig built on it.
+
+There is one sizing path: `flare.memory.size_kv_pool` gives the pages, `flare.engine.config.
+engine_config_for_pool` turns them into the engine's settings. This module only gathers the inputs a
+served model brings: device memory, the reserve or `--memory-limit`, bytes per cached token (the recipes'
+`kv_bytes_per_token`), and the prepared context and concurrency.
 
 `--kv-cache-limit memory` (the default) gives KV pages what the GPU has free after the weights, the driver
 margin and the reserve (or within `--memory-limit`); `context` and `concurrency` cap the pool at one
@@ -9,31 +14,45 @@ filling RAM with pages would help nobody: there the pool stops at one context pe
 from __future__ import annotations
 
 from flare.memory import (KV_CACHE_LIMITS, FixedCosts, KVGeometry, KVPool, engine_headroom, memory_budget,
-                          parse_memory_limit, read_device_memory, size_kv_pool)
+                          parse_kv_cache_limit, parse_memory_limit, read_device_memory, size_kv_pool)
+from flare.recipes.base import kv_bytes_per_token
 from flare.server.served_model import ServedModel
 
-__all__ = ["KV_CACHE_LIMITS", "KVPool", "kv_bytes_per_token", "parse_memory_limit", "serving_kv_pool"]
+__all__ = ["KV_CACHE_LIMITS", "KVPool", "serving_engine_config", "serving_kv_pool", "step_token_budget"]
 
-
-def kv_bytes_per_token(hf_config: dict, dtype: str) -> int:
-    """K and V of every layer for one token, in the serving dtype."""
-    from flare.models import ModelConfig
-
-    cfg = ModelConfig.from_hf_config(hf_config)
-    element = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, memory_limit: str | None,
                     reserve: int) -> KVPool:
     """Pages for the shared KV pool of one device (raises CapacityError in the section-6 form)."""
+    limit_mode = parse_kv_cache_limit(kv_cache_limit)
     device = read_device_memory()[0]
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     budget = memory_budget(device, engine_headroom("serving"), limit, reserve)
     fixed = FixedCosts(weights=model.weight_bytes, graphs=0, live_state=0, prefix_cache_floor=0)
     geometry = KVGeometry(page_size=model.page_size,
-                          bytes_per_token=kv_bytes_per_token(model.hf_config, model.dtype),
+                          bytes_per_token=kv_bytes_per_token(model.hf_config, _DTYPE_BYTES.get(model.dtype, 4)),
                           max_context=model.max_model_len, max_concurrency=concurrency)
-    if device.host and kv_cache_limit == "memory":
-        kv_cache_limit = "concurrency"
-    return size_kv_pool(budget, fixed, geometry, kv_cache_limit)  # type: ignore[arg-type]
+    if device.host and limit_mode == "memory":
+        limit_mode = "concurrency"
+    return size_kv_pool(budget, fixed, geometry, limit_mode)
+
+
+def step_token_budget(prefill_chunk: int, concurrency: int) -> int:
+    """Tokens one engine step may carry: room for two prefill chunks beside a full decode batch.
+
+    `balanced` still carries at most one chunk of prompt work while anyone decodes; the room above it is
+    what `throughput` may fill, so the two policies differ."""
+    return 2 * prefill_chunk + concurrency
+
+
+def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, scheduler_policy=None):
+    """The EngineConfig for serving `model` with `pool`; records which limit bound the pool."""
+    from flare.engine.config import engine_config_for_pool
+
+    return engine_config_for_pool(pool, max_concurrency=concurrency, prepared_context=model.max_model_len,
+                                  prefill_chunk=model.prefill_chunk,
+                                  max_num_batched_tokens=step_token_budget(model.prefill_chunk, concurrency),
+                                  prepared_concurrency=model.prepared_concurrency,
+                                  scheduler_policy=scheduler_policy)

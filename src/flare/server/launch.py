@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from flare.errors import CapacityError, UsageError
+from flare.errors import UsageError
 from flare.server.engine_start import gib, serving_device, start_engine_process, start_in_process
-from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, serving_kv_pool
+from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, serving_engine_config, serving_kv_pool
 from flare.server.listener import open_listener, run_http, url_for
 from flare.server.served_model import ServedModel
 from flare.server.settings import SamplingPolicy, ServerSettings
@@ -33,6 +33,7 @@ class ListenerOptions:
     max_concurrency: int | None = None
     kv_cache_limit: str = "memory"
     memory_limit: str | None = None
+    scheduler_policy: Any = None            # flare.engine.policy.SchedulerPolicy; None: balanced, defaults
 
 
 # ---- settings from flags, configuration and the package ------------------------------------------------
@@ -45,11 +46,11 @@ def serving_concurrency(flag: int | None, config: Any, model: ServedModel) -> in
     origin = "--max-concurrency" if flag is not None else "max_concurrency in the configuration"
     if concurrency < 1:
         raise UsageError(f"{origin} must be at least 1, got {concurrency}")
-    if not 1 <= concurrency <= model.prepared_concurrency:
-        raise CapacityError(f"needs concurrency {concurrency} ({origin}); the package was prepared for at most "
-                            f"{model.prepared_concurrency}. Options: --max-concurrency "
-                            f"{model.prepared_concurrency} or less, or export again with --max-concurrency "
-                            f"{concurrency}.")
+    if concurrency > model.prepared_concurrency:
+        raise UsageError(f"{origin} {concurrency} exceeds the package's prepared concurrency "
+                         f"{model.prepared_concurrency} (the package was prepared for at most "
+                         f"{model.prepared_concurrency}); choose --max-concurrency {model.prepared_concurrency} "
+                         f"or less, or export the package again with --max-concurrency {concurrency}")
     return concurrency
 
 
@@ -87,8 +88,9 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     device = serving_device()
     pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, listener_options.memory_limit,
                            reserve)
+    engine_config = serving_engine_config(model, concurrency, pool, listener_options.scheduler_policy)
     start = start_engine_process if model.package_path is not None else start_in_process
-    client = start(model, concurrency, pool, device, stages)
+    client = start(model, engine_config, device, stages)
     with stages.stage("Load frontend") as stage:
         frontend = ServingFrontend.from_dir(model.frontend_dir, getattr(client, "tokenizer", None))
         stage.note("the model's chat template" if frontend.chat_template.from_model
@@ -99,12 +101,12 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
         host = listener_options.host or getattr(server_config, "host", None) or "127.0.0.1"
         port = listener_options.port if listener_options.port is not None else getattr(server_config, "port", 8000)
         settings = ServerSettings(served_names=names, canonical_id=model.canonical_id,
-                                  max_model_len=model.max_model_len, max_concurrency=concurrency,
+                                  max_model_len=engine_config.max_model_len, max_concurrency=concurrency,
                                   kv_tokens=pool.tokens, api_key=key, sampling=model.sampling)
         with stages.stage("Start HTTP") as stage:
             listener = open_listener(host, port)
             stage.note(url_for(host, port))
-        report = startup_lines() + startup_report(model, settings, pool, concurrency, url_for(host, port), device)
+        report = startup_lines() + startup_report(model, settings, pool, engine_config, url_for(host, port), device)
         for line in report:
             print(line, file=stream, flush=True)
         return run_http(engine, frontend, settings, listener)
@@ -112,10 +114,10 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
         engine.shutdown()
 
 
-def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, concurrency: int,
+def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, engine_config: Any,
                    url: str, device: str) -> list[str]:
     names = ", ".join(settings.served_names)
-    limit = pool.limited_by
+    limit = engine_config.kv_pool_limited_by          # memory | context | concurrency
     if device != "cuda" and limit != "memory":
         limit += " (without a GPU the pool stops at one context per active request)"
     return [
@@ -123,8 +125,10 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, c
         f"  footprint: {gib(model.weight_bytes)} weights + {gib(pool.bytes)} KV cache on {device}",
         f"  KV cache: {pool.tokens:,} tokens allocated ({pool.pages:,} pages of {pool.page_size}); "
         f"limited by {limit}",
-        f"  concurrency {concurrency}, context {model.max_model_len:,} tokens, "
+        f"  concurrency {engine_config.max_concurrency}, context {engine_config.max_model_len:,} tokens, "
         f"authentication {'on' if settings.api_key else 'off'}",
+        f"  scheduler {engine_config.scheduler_policy.name}: step budget {engine_config.max_num_batched_tokens:,} "
+        f"tokens, prefill chunk {engine_config.prefill_chunk:,}",
     ]
 
 
@@ -135,6 +139,7 @@ class RunOptions:
     listener: ListenerOptions = ListenerOptions()
     config: Any = None                          # flare.config.Config
     model_cache: Path | None = None
+    download: Any = None                        # flare.package.download.DownloadOptions; None: from the above
 
 
 def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
@@ -145,32 +150,45 @@ def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
     stream = stream or sys.stderr
     show_banner(stream, "loading " + str(options.target))
     stages = StageReporter(stream)
-    cache_root = options.model_cache or getattr(getattr(options.config, "paths", None), "package_cache", None)
+    download = _download_options(options)
     with contextlib.ExitStack() as held:
-        package = _open_package(options, stages, cache_root, stream,
-                                lambda path: held.enter_context(lease_entry(path, cache_root)))
+        package = _open_package(options, download, stages, stream,
+                                lambda path: held.enter_context(lease_entry(path)))   # the cache it lies in
         held.callback(package.close)
         weight_bytes = sum(r["size"] for r in package.weight_payloads())
         return serve(_package_model(package, weight_bytes), options.listener, options.config, stages, stream)
 
 
-def _open_package(options: RunOptions, stages: StageReporter, cache_root: Path | None, stream: TextIO,
+def _download_options(options: RunOptions):
+    from flare.package.download import DownloadOptions
+
+    if options.download is not None:
+        return options.download
+    return DownloadOptions(config=options.config, offline=bool(getattr(options.trust, "offline", False)),
+                           model_cache=options.model_cache)
+
+
+def _open_package(options: RunOptions, download: Any, stages: StageReporter, stream: TextIO,
                   hold: Callable[[Path], Any]):
     """The first three loading stages: signature, publisher acceptance, stored data. Holds the entry's
     lease (so `flare models remove` refuses it) from the moment it is found."""
     from flare.package import format as fmt
     from flare.package import verify
-    from flare.package.reader import Package, _read_small_payloads, resolve_target
+    from flare.package.download import resolve_package_target
+    from flare.package.reader import Package, read_small_payloads
     from flare.package.trust import authorize, verify_signature
 
+    path = resolve_package_target(options.target, download, stream=stream)   # may download, before the stages
     with stages.stage("Verify package") as stage:
-        path = resolve_target(options.target, cache_root)
         hold(path)
         files = fmt.read_package_files(path)
         manifest = files.primary.manifest
         key, key_source = verify_signature(files.primary.manifest_body, files.primary.signature, manifest,
                                            files.primary.profile_json, options.trust, str(files.primary_path))
         stage.note(f"{manifest['model_id']} {manifest['version']}, signed by {manifest['publisher']['namespace']}")
+    warning = foreign_source_warning(path, manifest, download.cache_root)
+    if warning:
+        print(warning, file=stream, flush=True)
     with stages.stage("Publisher acceptance", animate=False) as stage:      # it may prompt at a terminal
         trust = authorize(manifest, key, key_source, options.trust, stream)
         stage.note(f"{trust.namespace} ({trust.identity})")
@@ -178,11 +196,36 @@ def _open_package(options: RunOptions, stages: StageReporter, cache_root: Path |
     scanned = sum(r["size"] for r in weights) if options.trust.verify_weights else 0
     with stages.stage("Verify stored data", total=scanned or None) as stage:
         verify.check_layout(files, manifest["payloads"])
-        frontend_assets, catalogs = _read_small_payloads(files, manifest)
+        frontend_assets, catalogs = read_small_payloads(files, manifest)
         if options.trust.verify_weights:
             verify.verify_payloads(files, weights, stage.advance)
         stage.note("frontend and graph catalogs" + (", all weights" if scanned else ""))
     return Package(path, files, manifest, trust, frontend_assets, catalogs)
+
+
+def foreign_source_warning(path: Path, manifest: dict, cache_root: Path) -> str | None:
+    """A warning when the entry at `path` was downloaded from a repository other than its signed official
+    source (spec: printed on every load); None for local packages and downloads from the official source."""
+    from flare.package.sources import SourceRecords
+    from flare.package.store import ModelCache
+
+    origin = SourceRecords(ModelCache(Path(cache_root))).origin_of_path(path)
+    if origin is None:
+        return None
+    source = manifest["publisher"].get("official_source") or ""
+    official = source_repository(source)
+    if official is not None and official.casefold() == origin.repository.casefold():
+        return None
+    return (f"warning: {manifest['model_id']} was downloaded from {origin.repository}, which is not its signed "
+            f"official source {source or '(none: a development key)'}")
+
+
+def source_repository(url: str) -> str | None:
+    """ORG/NAME of an official source URL such as https://huggingface.co/Org/Name (None if it names none)."""
+    from urllib.parse import urlparse
+
+    parts = [part for part in urlparse(url).path.split("/") if part]
+    return "/".join(parts[:2]) if url.startswith(("https://", "http://")) and len(parts) >= 2 else None
 
 
 def _package_model(package: Any, weight_bytes: int) -> ServedModel:

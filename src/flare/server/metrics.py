@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,6 +29,26 @@ def _as_dict(stats: Any) -> dict:
     return {name: getattr(stats, name) for name in fields} if fields else {}
 
 
+# The engine's numbers at scrape time: (metric name, EngineStats field, help). Counters only grow over the
+# engine's life, so Prometheus can take rates of them; gauges are the state now.
+ENGINE_COUNTERS = (
+    ("flare_prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+    ("flare_prefix_cache_miss_tokens", "prefix_cache_miss_tokens", "Prompt tokens the prefix cache did not hold"),
+    ("flare_prefix_cache_evicted_pages", "prefix_cache_evicted_pages", "Cached KV pages reclaimed for new content"),
+    ("flare_computed_tokens", "num_computed_tokens", "Tokens the model computed, prefill and decode"),
+    ("flare_num_preemptions", "num_preemptions", "Requests preempted to free KV pages"),
+)
+ENGINE_GAUGES = (
+    ("flare_kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache pages in use"),
+    ("flare_num_requests_running", "num_running", "Requests the engine is computing"),
+    ("flare_num_requests_waiting", "num_waiting", "Requests queued in the engine"),
+    ("flare_kv_cache_pages_used", "kv_pages_used", "KV cache pages in use"),
+    ("flare_kv_cache_pages_total", "kv_pages_total", "KV cache pages allocated"),
+    ("flare_prefix_cache_resident_pages", "prefix_cache_resident_pages",
+     "KV pages holding reusable cached content, in use or not"),
+)
+
+
 class _EngineCollector:
     """Reads the engine's live numbers at scrape time, so they are never stale."""
 
@@ -43,19 +63,13 @@ class _EngineCollector:
         if _stat(stats, "kv_cache_usage") is None and _stat(stats, "kv_pages_total"):
             stats = dict(_as_dict(stats))
             stats["kv_cache_usage"] = _stat(stats, "kv_pages_used") / _stat(stats, "kv_pages_total")
-        for name, key, text in (
-            ("flare_kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache pages in use"),
-            ("flare_num_requests_running", "num_running", "Requests the engine is computing"),
-            ("flare_num_requests_waiting", "num_waiting", "Requests queued in the engine"),
-            ("flare_kv_cache_pages_used", "kv_pages_used", "KV cache pages in use"),
-            ("flare_kv_cache_pages_total", "kv_pages_total", "KV cache pages allocated"),
-            ("flare_num_preemptions", "num_preemptions", "Requests preempted to free KV pages, in total"),
-        ):
-            value = _stat(stats, key)
-            if value is not None:
-                family = GaugeMetricFamily(name, text)
-                family.add_metric([], value)
-                yield family
+        for families, kind in ((ENGINE_COUNTERS, CounterMetricFamily), (ENGINE_GAUGES, GaugeMetricFamily)):
+            for name, key, text in families:
+                value = _stat(stats, key)
+                if value is not None:
+                    family = kind(name, text)
+                    family.add_metric([], value)
+                    yield family
 
 
 class ServerMetrics:

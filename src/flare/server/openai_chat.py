@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from flare.frontend.chat_template import ChatTemplateError
 from flare.frontend.tool_parsers import (ToolCall, ToolCallStream, ToolParser, ToolRequest, call_arguments, function_tool,
@@ -11,7 +11,7 @@ from flare.frontend.tool_parsers import (ToolCall, ToolCallStream, ToolParser, T
 from flare.server import sse
 from flare.server.errors import bad_request
 from flare.server.generation import Generation, new_id, parse_reply, usage_numbers, with_tool_tokens
-from flare.server.openai_common import chat_logprobs, requested_sampling, usage
+from flare.server.openai_common import StreamChunks, chat_logprobs, requested_sampling, usage
 from flare.server.schemas import ChatCompletionRequest, ChatMessage
 
 
@@ -128,15 +128,7 @@ async def _complete(gen, body, request_id, ids, params, logprobs, echo_text, rea
 
 
 async def _stream(gen, body, request_id, ids, params, logprobs, echo_text, reading) -> AsyncIterator[str]:
-    created = int(time.time())
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices: list[dict], usage_value: Any = None) -> str:
-        payload = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                   "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            payload["usage"] = usage_value
-        return sse.data_event(payload)
+    chunk = StreamChunks(request_id, "chat.completion.chunk", body)
 
     for index in range(len(params)):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": echo_text}, "logprobs": None,
@@ -167,7 +159,7 @@ async def _stream(gen, body, request_id, ids, params, logprobs, echo_text, readi
                     finish_reason = "tool_calls"
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
                           "stop_reason": output.stop_reason}])
-    if include_usage:
+    if chunk.include_usage:
         yield chunk([], usage(len(ids), generated, cached))
     yield sse.DONE
 

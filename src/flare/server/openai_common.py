@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Sequence
 
 from flare.engine.outputs import TokenLogprob
+from flare.server import sse
 from flare.server.generation import RequestedSampling, stop_strings
 from flare.server.schemas import SamplingFields
 
@@ -34,6 +36,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class StreamChunks:
+    """The `data:` events of one streamed OpenAI response (chat or completions): each chunk carries the
+    response's id, object, creation time and model; `usage` appears only when the client asked for it."""
+
+    def __init__(self, request_id: str, object_name: str, body: Any) -> None:
+        self.base = {"id": request_id, "object": object_name, "created": int(time.time()), "model": body.model}
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def __call__(self, choices: list[dict], usage_value: Any = None) -> str:
+        payload = {**self.base, "choices": choices, "system_fingerprint": None}
+        if self.include_usage:
+            payload["usage"] = usage_value
+        return sse.data_event(payload)
 
 
 def requested_sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,

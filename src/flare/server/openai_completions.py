@@ -9,7 +9,7 @@ from flare.engine.outputs import TokenLogprob
 from flare.server import sse
 from flare.server.errors import bad_request
 from flare.server.generation import Generation, check_token_ids, new_id
-from flare.server.openai_common import _finite, requested_sampling, usage
+from flare.server.openai_common import StreamChunks, _finite, requested_sampling, usage
 from flare.server.schemas import CompletionRequest
 
 
@@ -116,15 +116,7 @@ async def _complete(gen, body, request_id, prompts, jobs) -> dict:
 
 
 async def _stream(gen, body, request_id, prompts, jobs) -> AsyncIterator[str]:
-    created = int(time.time())
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(choices: list[dict], usage_value: Any = None) -> str:
-        payload = {"id": request_id, "object": "text_completion", "created": created, "model": body.model,
-                   "choices": choices, "system_fingerprint": None}
-        if include_usage:
-            payload["usage"] = usage_value
-        return sse.data_event(payload)
+    chunk = StreamChunks(request_id, "text_completion", body)
 
     builders = [_LogprobBuilder(gen.frontend, body.logprobs or 0) for _ in jobs]
     echoed = [not body.echo for _ in jobs]
@@ -145,6 +137,6 @@ async def _stream(gen, body, request_id, prompts, jobs) -> AsyncIterator[str]:
             yield chunk([{"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": output.finish_reason if output.finished else None,
                           "stop_reason": output.stop_reason if output.finished else None}])
-    if include_usage:
+    if chunk.include_usage:
         yield chunk([], usage(sum(len(ids) for ids in prompts), generated))
     yield sse.DONE

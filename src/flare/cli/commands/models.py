@@ -29,7 +29,8 @@ def configure(parser):
     remove.add_argument("--clear-default", action="store_true",
                         help="allow removing the selected default; the model is left with no default")
     remove.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
-    gc = add("gc", "remove abandoned staging trees and payload objects no entry references")
+    gc = add("gc", "remove abandoned staging trees, payload objects no entry references, transfers failed "
+                   "downloads left behind and download records of removed entries")
     _output_flags(gc)
     for child in (listing, select, remove, gc):
         child.add_argument("--model-cache", type=Path, metavar="PATH", default=None,
@@ -81,13 +82,22 @@ def _remove(cache, args) -> int:
 def _gc(cache, args) -> int:
     import json
     from flare.ui.progress import format_bytes
-    result = cache.gc() if cache.root.is_dir() else {"removed_staging": [], "removed_blobs": [],
-                                                     "reclaimed_bytes": 0}
+    from flare.package.download import remove_abandoned_transports
+    from flare.package.sources import SourceRecords
+    result = {"removed_staging": [], "removed_blobs": [], "removed_transport": [], "removed_source_records": [],
+              "reclaimed_bytes": 0}
+    if cache.root.is_dir():
+        result.update(cache.gc())
+        result["removed_transport"], transport_bytes = remove_abandoned_transports(cache)
+        result["reclaimed_bytes"] += transport_bytes
+        result["removed_source_records"] = SourceRecords(cache).prune_removed()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"removed {len(result['removed_staging'])} staging trees and {len(result['removed_blobs'])} "
-              f"payload objects; reclaimed {format_bytes(result['reclaimed_bytes'])}")
+        print(f"removed {len(result['removed_staging'])} staging trees, {len(result['removed_blobs'])} payload "
+              f"objects, {len(result['removed_transport'])} abandoned transfers and "
+              f"{len(result['removed_source_records'])} records of removed downloads; "
+              f"reclaimed {format_bytes(result['reclaimed_bytes'])}")
     return 0
 
 

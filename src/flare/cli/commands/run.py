@@ -27,6 +27,20 @@ def configure(parser):
     capacity.add_argument("--memory-limit", metavar="LIMIT",
                           help="per-GPU occupied size (30G), free-memory reserve (-30G) or fraction of total "
                                "memory (0.8) (default: [memory] reserve, otherwise the package's reserve)")
+    scheduling = parser.add_argument_group("scheduling")
+    scheduling.add_argument("--scheduler-policy", metavar="POLICY", default="balanced",
+                            help="balanced keeps output cadence; throughput fills each step with prompt work "
+                                 "(default: balanced)")
+    scheduling.add_argument("--scheduler-terminal-value", metavar="VALUE",
+                            help="worth of retiring a request whose next token is its last, in prompt tokens; "
+                                 "0 disables it (default: 256)")
+    scheduling.add_argument("--scheduler-terminal-age-price", metavar="PRICE",
+                            help="added worth per squared millisecond a terminal request waits; 0 disables it "
+                                 "(default: 1)")
+    download = parser.add_argument_group("repository download (for ORG/NAME[@REVISION])")
+    from flare.cli.commands.download import add_download_arguments
+
+    add_download_arguments(download, serving=True)
     trust = parser.add_argument_group("package trust")
     from flare.package.trust import add_trust_arguments
 
@@ -39,15 +53,34 @@ def configure(parser):
 
 
 def run(args) -> int:
+    from flare.cli.commands.download import download_options_from_args
     from flare.package.trust import trust_options_from_args
     from flare.server.launch import ListenerOptions, RunOptions, run_package
 
+    policy = scheduler_policy_from_args(args)              # refuse a bad value before anything loads
+    args.configuration = _configuration(args)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
-                               kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit)
+                               kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit,
+                               scheduler_policy=policy)
     options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
-                         config=_configuration(args), model_cache=args.model_cache)
+                         config=args.configuration, model_cache=args.model_cache,
+                         download=download_options_from_args(args))
     return run_package(options)
+
+
+def scheduler_policy_from_args(args):
+    """The SchedulerPolicy the scheduling flags select (UsageError naming the flag for a bad value)."""
+    from flare.engine.policy import (DEFAULT_TERMINAL_AGE_PRICE, DEFAULT_TERMINAL_VALUE, SchedulerPolicy,
+                                     parse_scheduler_number)
+
+    value, price = args.scheduler_terminal_value, args.scheduler_terminal_age_price
+    return SchedulerPolicy(
+        name=args.scheduler_policy,
+        terminal_value=(parse_scheduler_number("--scheduler-terminal-value", value) if value is not None
+                        else DEFAULT_TERMINAL_VALUE),
+        terminal_age_price=(parse_scheduler_number("--scheduler-terminal-age-price", price) if price is not None
+                            else DEFAULT_TERMINAL_AGE_PRICE))
 
 
 def _configuration(args):
