@@ -89,7 +89,7 @@ def build_checkpoint(directory: Path, spec: DemoSpec, log: Log) -> None:
     """Collect the corpus, train the tokenizer and the model, and write the checkpoint into `directory`."""
     from flare.demo import corpus
     from flare.demo.tokenizer import train_tokenizer, write_tokenizer_files
-    from flare.demo.train import fixed_threads, mean_loss, new_model, token_stream, train
+    from flare.demo.train import fixed_threads, mean_loss, new_model, token_stream, train, training_threads
 
     started = time.monotonic()
     log("demo: building the demo model from the Python documentation (first use only)")
@@ -98,8 +98,9 @@ def build_checkpoint(directory: Path, spec: DemoSpec, log: Log) -> None:
     tokenizer = train_tokenizer(texts, spec.vocab_size)
     stream = token_stream(tokenizer, texts)
     held_out_stream = token_stream(tokenizer, [corpus.document_text(d) for d in held_out])
-    log(f"demo: {len(texts)} texts, {len(stream)} tokens, vocabulary {tokenizer.get_vocab_size()}")
-    with fixed_threads():
+    threads = training_threads()
+    log(f"demo: {len(texts)} texts, {len(stream)} tokens, vocabulary {tokenizer.get_vocab_size()}, {threads} thread(s)")
+    with fixed_threads(threads):
         model = new_model(spec, tokenizer)
         untrained_loss = mean_loss(model, held_out_stream, spec.sequence_length)
         train(model, stream, spec, log)
