@@ -132,6 +132,7 @@ def _write_model(model, directory: Path) -> None:
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     tensors.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "model.safetensors").chmod(0o644)  # save_file creates it private; the other files are not
 
 
 def _write_marker(directory: Path, spec: DemoSpec, held_out_loss: float, untrained_loss: float) -> None:
@@ -179,7 +180,8 @@ Do not rely on anything it says.
   {spec.max_position_embeddings} tokens, tied input and output embeddings, float32.
 * **Training:** {spec.steps} steps of {spec.batch_size} windows of {spec.sequence_length} tokens
   ({trained_tokens:,} tokens seen; the corpus holds {training_tokens:,}) on the CPU with seed
-  {spec.seed}.
+  {spec.seed}. It never saw more than {spec.sequence_length} tokens at once: well beyond that
+  length, its text falls apart.
 
 ## Chat format
 

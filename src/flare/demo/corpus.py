@@ -132,12 +132,12 @@ def chat_exchanges(documents: list[Document], seed: int) -> list[list[dict[str, 
     conversations = []
     for document in documents:
         answer = first_sentences(document.text)
-        if not answer:
+        if not answer or not _worth_asking_about(document):
             continue
         for question in _questions(document, rng):
             conversations.append(_conversation(question, answer, rng))
     for question in _IDENTITY_QUESTIONS:
-        for _ in range(4):
+        for _ in range(10):
             conversations.append(_conversation(question, _IDENTITY_ANSWER, rng))
     rng.shuffle(conversations)
     return conversations
@@ -161,6 +161,13 @@ def _conversation(question: str, answer: str, rng: random.Random) -> list[dict[s
     if rng.random() < 0.25:
         messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
     return messages
+
+
+def _worth_asking_about(document: Document) -> bool:
+    """Topics, modules, classes and builtins. Methods and module functions stay plain text only:
+    they are most of the documents and nearly all begin "Return ...", which would make every
+    answer begin that way."""
+    return document.kind != "function" or document.subject.startswith("builtins.")
 
 
 def _questions(document: Document, rng: random.Random) -> list[str]:
