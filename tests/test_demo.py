@@ -16,6 +16,7 @@ import pytest
 
 from flare.demo import DemoSpec, ensure_demo_checkpoint, is_complete_build
 from flare.demo import build as demo_build
+from flare.demo import train as demo_train
 from flare.demo.corpus import collect_documents, document_text, split_held_out
 from flare.demo.tokenizer import render_chat
 
@@ -28,8 +29,21 @@ CONVERSATION = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_training_thread():
+    """The tiny test model gains nothing from a second thread, and a busy machine makes two slow."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(demo_train, "training_threads", lambda: 1)
+        yield
+
+
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
+def documents():
+    return collect_documents()
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory, one_training_thread) -> Path:
     return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", SPEC, log=lambda line: None)
 
 
@@ -113,12 +127,12 @@ def test_checkpoint_loads_and_generates_with_transformers(demo_dir):
     assert output.shape[1] > prompt["input_ids"].shape[1]
 
 
-def test_trained_model_predicts_held_out_documentation_far_better_than_untrained(demo_dir):
+def test_trained_model_predicts_held_out_documentation_far_better_than_untrained(demo_dir, documents):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo_dir)
-    _, held_out = split_held_out(collect_documents())
+    _, held_out = split_held_out(documents)
     ids = tokenizer("\n\n".join(document_text(d) for d in held_out[:20]))["input_ids"]
     windows = torch.tensor(ids[: len(ids) // 64 * 64]).view(-1, 64)
 
@@ -138,6 +152,30 @@ def test_same_seed_builds_identical_files(demo_dir, tmp_path):
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
         assert sha256(again / name) == sha256(demo_dir / name), name
     assert any(line.startswith(f"demo: step {SPEC.steps}/{SPEC.steps}") for line in lines)  # progress
+
+
+def test_weights_do_not_depend_on_the_thread_count(demo_dir, documents):
+    import torch
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
+    stream = demo_train.token_stream(tokenizer, [document_text(d) for d in documents[:100]])
+    spec = DemoSpec(steps=1, batch_size=2, sequence_length=64, warmup_steps=1)  # the served model's shape
+    weights = []
+    for threads in (1, 2):
+        with demo_train.fixed_threads(threads):
+            model = demo_train.new_model(spec, tokenizer)
+            demo_train.train(model, stream, spec, log=lambda line: None)
+        weights.append(model.state_dict())
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), name
+
+
+def test_corpus_does_not_depend_on_what_this_process_imported(documents):
+    import transformers  # noqa: F401  (patches logging.Logger, as torch patches inspect)
+
+    assert collect_documents() == documents
+    assert {"topic", "module", "class", "function"} == {d.kind for d in documents}
 
 
 def test_complete_build_is_reused_without_work(demo_dir, monkeypatch):

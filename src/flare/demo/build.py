@@ -89,7 +89,7 @@ def build_checkpoint(directory: Path, spec: DemoSpec, log: Log) -> None:
     """Collect the corpus, train the tokenizer and the model, and write the checkpoint into `directory`."""
     from flare.demo import corpus
     from flare.demo.tokenizer import train_tokenizer, write_tokenizer_files
-    from flare.demo.train import fixed_threads, mean_loss, new_model, token_stream, train
+    from flare.demo.train import fixed_threads, mean_loss, new_model, token_stream, train, training_threads
 
     started = time.monotonic()
     log("demo: building the demo model from the Python documentation (first use only)")
@@ -98,8 +98,9 @@ def build_checkpoint(directory: Path, spec: DemoSpec, log: Log) -> None:
     tokenizer = train_tokenizer(texts, spec.vocab_size)
     stream = token_stream(tokenizer, texts)
     held_out_stream = token_stream(tokenizer, [corpus.document_text(d) for d in held_out])
-    log(f"demo: {len(texts)} texts, {len(stream)} tokens, vocabulary {tokenizer.get_vocab_size()}")
-    with fixed_threads():
+    threads = training_threads()
+    log(f"demo: {len(texts)} texts, {len(stream)} tokens, vocabulary {tokenizer.get_vocab_size()}, {threads} thread(s)")
+    with fixed_threads(threads):
         model = new_model(spec, tokenizer)
         untrained_loss = mean_loss(model, held_out_stream, spec.sequence_length)
         train(model, stream, spec, log)
@@ -131,6 +132,7 @@ def _write_model(model, directory: Path) -> None:
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     tensors.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "model.safetensors").chmod(0o644)  # save_file creates it private; the other files are not
 
 
 def _write_marker(directory: Path, spec: DemoSpec, held_out_loss: float, untrained_loss: float) -> None:
@@ -178,7 +180,8 @@ Do not rely on anything it says.
   {spec.max_position_embeddings} tokens, tied input and output embeddings, float32.
 * **Training:** {spec.steps} steps of {spec.batch_size} windows of {spec.sequence_length} tokens
   ({trained_tokens:,} tokens seen; the corpus holds {training_tokens:,}) on the CPU with seed
-  {spec.seed}.
+  {spec.seed}. It never saw more than {spec.sequence_length} tokens at once: well beyond that
+  length, its text falls apart.
 
 ## Chat format
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import random
 import re
+import subprocess
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 # Well-known, side-effect-free modules in the order they are read. A fixed list (rather than every
 # stdlib module) keeps the build deterministic and avoids imports with effects (antigravity, this,
@@ -64,7 +68,25 @@ class Document:
 
 
 def collect_documents() -> list[Document]:
-    """Every document of the corpus, reference topics first, each distinct text once."""
+    """Every document of the corpus, reference topics first, each distinct text once.
+
+    Read in a fresh interpreter that imports only the standard library: libraries loaded in this
+    process patch standard modules (transformers adds methods to `logging.Logger`, torch replaces
+    `inspect.getfile`), which would change the text and so the model.
+    """
+    command = [sys.executable, "-I", "-S", str(Path(__file__).resolve())]
+    result = subprocess.run(command, capture_output=True)
+    if result.returncode != 0:
+        from flare.errors import PreparationError  # not at the top: this file also runs without flare
+
+        raise PreparationError(
+            "could not read the Python documentation for the demo model: "
+            + result.stderr.decode(errors="replace").strip()[-500:]
+        )
+    return [Document(**fields) for fields in json.loads(result.stdout)]
+
+
+def _collect_in_this_interpreter() -> list[Document]:
     documents = _topic_documents() + _docstring_documents()
     seen: set[str] = set()
     unique = []
@@ -110,12 +132,12 @@ def chat_exchanges(documents: list[Document], seed: int) -> list[list[dict[str, 
     conversations = []
     for document in documents:
         answer = first_sentences(document.text)
-        if not answer:
+        if not answer or not _worth_asking_about(document):
             continue
         for question in _questions(document, rng):
             conversations.append(_conversation(question, answer, rng))
     for question in _IDENTITY_QUESTIONS:
-        for _ in range(4):
+        for _ in range(10):
             conversations.append(_conversation(question, _IDENTITY_ANSWER, rng))
     rng.shuffle(conversations)
     return conversations
@@ -139,6 +161,13 @@ def _conversation(question: str, answer: str, rng: random.Random) -> list[dict[s
     if rng.random() < 0.25:
         messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
     return messages
+
+
+def _worth_asking_about(document: Document) -> bool:
+    """Topics, modules, classes and builtins. Methods and module functions stay plain text only:
+    they are most of the documents and nearly all begin "Return ...", which would make every
+    answer begin that way."""
+    return document.kind != "function" or document.subject.startswith("builtins.")
 
 
 def _questions(document: Document, rng: random.Random) -> list[str]:
@@ -227,3 +256,7 @@ def _own_doc(subject: str, obj, kind: str) -> list[Document]:
     if not isinstance(raw, str) or not raw.strip():
         return []
     return [Document(subject=subject, text=inspect.cleandoc(raw), kind=kind)]
+
+
+if __name__ == "__main__":  # run by collect_documents() in a fresh interpreter; writes ASCII JSON
+    sys.stdout.write(json.dumps([asdict(d) for d in _collect_in_this_interpreter()]))
