@@ -274,12 +274,17 @@ def _license(source: CheckpointSource) -> dict | None:
     if not text.startswith("---"):
         return None
     front = text.split("---", 2)[1]
-    match = re.search(r"^license:\s*(\S+)", front, re.MULTILINE)
-    if not match:
+    fields = {key: value.strip().strip("'\"") for key, value in
+              re.findall(r"^(license|license_name|license_link):\s*(\S+)", front, re.MULTILINE)}
+    if "license" not in fields:
         return None
-    link = f"https://huggingface.co/{source.repo_id}/blob/{source.revision or 'main'}/README.md" \
-        if source.repo_id else None
-    return {"name": match.group(1).strip("'\""), "link": link}
+    name = fields["license"]
+    if name == "other":                         # the hub's convention for a license it has no id for
+        name = fields.get("license_name", name)
+    link = fields.get("license_link")
+    if link is None and source.repo_id:
+        link = f"https://huggingface.co/{source.repo_id}/blob/{source.revision or 'main'}/README.md"
+    return {"name": name, "link": link}
 
 
 def _reuse_source(cache: ModelCache, recipe: RecipeFacts, options: ExportOptions):

@@ -177,6 +177,13 @@ def _frontend(package: Package) -> dict:
 
 # --- text --------------------------------------------------------------------------------------
 
+def _range_text(value) -> str:
+    """A [low, high] pair reads as a range; anything else as plain text."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return f"[{_text(value[0])}, {_text(value[1])}]"
+    return _text(value)
+
+
 def _text(value) -> str:
     if value is None:
         return "-"
@@ -187,7 +194,7 @@ def _text(value) -> str:
     if isinstance(value, list):
         return ", ".join(_text(v) for v in value) or "-"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={_text(v)}" for k, v in value.items()) or "-"
+        return ", ".join(f"{k}={_range_text(v)}" for k, v in value.items()) or "-"
     return str(value)
 
 
