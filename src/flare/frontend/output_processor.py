@@ -38,9 +38,6 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._states
-
     def process(self, core_outputs: Iterable[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Return the outputs to deliver and the ids a stop string finished (to abort in the core)."""
         outputs, stopped = [], []
