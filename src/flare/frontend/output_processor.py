@@ -101,7 +101,9 @@ def find_stop_string(text: str, stops: Sequence[str], searched_from: int) -> tup
 
 
 def partial_stop_length(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string (held back for now)."""
+    """Length of the longest end of `text` that is the start of a stop string (held back for now).
+
+    Tool-call markers are held back the same way (`tool_parsers.ToolCallStream`)."""
     longest = 0
     for stop in stops:
         for length in range(min(len(stop) - 1, len(text)), longest, -1):
