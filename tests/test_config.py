@@ -273,14 +273,6 @@ def test_comments_survive_when_a_setting_is_uncommented_programmatically(tmp_pat
 # Environment policy
 
 
-@pytest.fixture
-def restore_environment():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_library_environment_comes_from_the_configuration_only(tmp_path, restore_environment):
     config = load_config(write(tmp_path, """
 [paths]

@@ -222,17 +222,6 @@ def cuda_event_timer() -> Timer:
     return timed
 
 
-def wall_clock_timer() -> Timer:
-    """For CPU targets: host time around the call (CPU work is synchronous)."""
-
-    def timed(step: Callable[[], None]) -> float:
-        started = time.perf_counter()
-        step()
-        return (time.perf_counter() - started) * 1000.0
-
-    return timed
-
-
 def device_identity() -> dict:
     """What the numbers were measured on: scores from different GPU classes stay separate."""
     import platform

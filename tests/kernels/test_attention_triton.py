@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_batch import TOLERANCE, tolerance, relative_error
+from paged_batch import tolerance, relative_error
 
 
 def backends():

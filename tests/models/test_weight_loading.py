@@ -78,7 +78,10 @@ def test_a_shard_named_by_the_index_but_absent_fails_naming_the_file(checkpoint,
 def test_saved_rotary_frequencies_of_older_checkpoints_are_ignored(checkpoint):
     weights = tensors(checkpoint)
     weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
-    fresh_model(checkpoint).load_hf_weights(weights.items())
+    model = fresh_model(checkpoint)
+    computed = model.model.rotary_emb.inv_freq.clone()
+    model.load_hf_weights(weights.items())
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, computed)    # the config's, not the file's
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}])

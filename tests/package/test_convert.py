@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from flare.errors import UsageError
+from flare.errors import PreparationError, UsageError
 from flare.package import format as fmt
 from flare.package.convert import convert
 from flare.package.reader import open_package
@@ -69,7 +69,7 @@ def test_a_corrupt_payload_in_a_packed_file_is_caught(export, approved, tmp_path
 def test_a_truncated_packed_file_is_caught(export, approved, tmp_path):
     packed = convert(export(), tmp_path / "model.safetensors", "packed")
     os.truncate(packed, packed.stat().st_size - 100)
-    with pytest.raises(Exception, match="truncated"):
+    with pytest.raises(PreparationError, match="truncated"):
         open_package(packed, approved)
 
 

@@ -8,6 +8,7 @@ import struct
 
 import pytest
 
+from flare.errors import PreparationError
 from flare.package import format as fmt
 from flare.package.reader import open_package
 from flare.package.trust import SignatureError, TrustOptions
@@ -89,7 +90,7 @@ def test_a_corrupt_primary_header_is_reported(export, approved):
     data = primary.read_bytes()
     os.chmod(primary, 0o644)
     primary.write_bytes(struct.pack("<Q", 10 ** 12) + data[8:])
-    with pytest.raises(Exception, match="header length"):
+    with pytest.raises(PreparationError, match="header length"):
         open_package(entry, approved)
 
 
@@ -117,8 +118,8 @@ def test_a_signed_manifest_cannot_name_a_path_outside_its_entry(export, approved
     primary.unlink()
     fmt.write_primary(primary, fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(),
                                            "directory"))
-    with pytest.raises(Exception, match="not a plain relative path"):
+    with pytest.raises(PreparationError, match="not a plain relative path"):
         open_package(entry, approved)
-    with pytest.raises(Exception, match="not a plain relative path"):
+    with pytest.raises(PreparationError, match="not a plain relative path"):
         convert(entry, tmp_path / "out", "directory")
     assert not (tmp_path / "out").exists() and not (entry.parent.parent / "escaped.safetensors").exists()

@@ -122,7 +122,7 @@ def recipe_help(argv: list[str]) -> str | None:
         found = lookup(token)
         if found is not None:
             return describe(*found, command=argv[0])
-        if "/" not in token and registry.suggest_alias(token):
-            print(f"note: {token!r} is not a declared alias; did you mean {registry.suggest_alias(token)}?",
-                  file=sys.stderr)
+        suggestion = registry.suggest_alias(token) if "/" not in token else None
+        if suggestion:
+            print(f"note: {token!r} is not a declared alias; did you mean {suggestion}?", file=sys.stderr)
     return None

@@ -7,7 +7,7 @@ directory loads through `load_checkpoint_model`; a package supplies its own fact
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,13 +59,15 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     else:
         backend = attention_backend(device)
     model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend)
-    eos = list(model_config.eos_token_ids)
-    for token_id in [*eos_token_ids_of(directory, None), *extra_eos_token_ids]:
-        if token_id not in eos:
-            eos.append(token_id)
+    eos = merge_token_ids(model_config.eos_token_ids, eos_token_ids_of(directory, None), extra_eos_token_ids)
     if engine_config is None:
         engine_config = default_engine_config(model_config.max_position_embeddings)
-    return LoadedModel(model_config, model, tuple(eos), engine_config, device, dtype)
+    return LoadedModel(model_config, model, eos, engine_config, device, dtype)
+
+
+def merge_token_ids(*groups: Iterable[int]) -> tuple[int, ...]:
+    """Every id of the groups once, in first-seen order (EOS ids from the config, generation config, tokenizer)."""
+    return tuple(dict.fromkeys(token_id for group in groups for token_id in group))
 
 
 def default_dtype(device: str) -> str:

@@ -38,9 +38,6 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._states
-
     def process(self, core_outputs: Iterable[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Return the outputs to deliver and the ids a stop string finished (to abort in the core)."""
         outputs, stopped = [], []
@@ -104,7 +101,9 @@ def find_stop_string(text: str, stops: Sequence[str], searched_from: int) -> tup
 
 
 def partial_stop_length(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string (held back for now)."""
+    """Length of the longest end of `text` that is the start of a stop string (held back for now).
+
+    Tool-call markers are held back the same way (`tool_parsers.ToolCallStream`)."""
     longest = 0
     for stop in stops:
         for length in range(min(len(stop) - 1, len(text)), longest, -1):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from flare.frontend.output_processor import partial_stop_length
+
 DEFAULT_PARSER = "hermes"
 # Recipe family (the manifest's recipe name) -> the format its chat templates teach.
 PARSER_OF_FAMILY = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
@@ -279,11 +281,7 @@ class ToolCallStream:
 
     def _partial_marker_length(self) -> int:
         """How many trailing characters might be the beginning of a marker (held back until known)."""
-        tail = self.buffer[self.shown:]
-        for size in range(min(len(tail), max(map(len, self.parser.markers)) - 1), 0, -1):
-            if any(marker.startswith(tail[-size:]) for marker in self.parser.markers):
-                return size
-        return 0
+        return partial_stop_length(self.buffer[self.shown:], self.parser.markers)
 
 
 def tool_call_chunks(arguments: str, size: int = 64) -> Iterator[str]:

@@ -154,7 +154,7 @@ def resolve_package_target(target: str | Path, options: DownloadOptions, stream:
             raise UsageError(f"{', '.join(options.download_flags)} apply to repository downloads, and {text} "
                              "is a local package path; drop them or name a repository ORG/NAME")
         if not path.exists():
-            raise UsageError(f"no package at {path}")
+            raise no_package_error(path)
         return path
     cache = ModelCache(options.cache_root)
     name, _, version = text.partition("@")
@@ -168,8 +168,14 @@ def resolve_package_target(target: str | Path, options: DownloadOptions, stream:
 
 
 def is_local_path(text: str) -> bool:
+    """Whether a PACKAGE argument names a path: existing paths, absolute ones, ./… and ../…, and *.safetensors."""
     path = Path(text).expanduser()
     return path.exists() or path.is_absolute() or text.startswith(("./", "../")) or text.endswith(".safetensors")
+
+
+def no_package_error(path: Path) -> UsageError:
+    return UsageError(f"no package at {path}; check the path, or name a cached model as MODEL[@VERSION] "
+                      "(`flare models list` shows them)")
 
 
 # -- cached models (flare run) --------------------------------------------------------------------------

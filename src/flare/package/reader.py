@@ -21,6 +21,7 @@ from flare.package import format as fmt
 from flare.package import safetensors_io as st
 from flare.package import verify
 from flare.package import weights as wt
+from flare.package.download import is_local_path, no_package_error
 from flare.package.store import DEFAULT_CACHE_ROOT, ModelCache
 from flare.package.trust import TrustOptions, TrustResult, authorize, verify_signature
 
@@ -98,9 +99,9 @@ def resolve_target(target: str | Path, cache_root: Path | None = None) -> Path:
     """A package path, or MODEL[@VERSION] in the cache. Existing paths win, as do ./, ../ and absolute paths."""
     text = str(target)
     path = Path(text).expanduser()
-    if path.exists() or path.is_absolute() or text.startswith(("./", "../")) or text.endswith(".safetensors"):
+    if is_local_path(text):
         if not path.exists():
-            raise UsageError(f"no package at {path}")
+            raise no_package_error(path)
         return path
     cache = ModelCache(cache_root or DEFAULT_CACHE_ROOT)
     return cache.entry_path(cache.resolve(text))

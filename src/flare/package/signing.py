@@ -112,10 +112,6 @@ class SigningIdentity:
     def profile(self) -> Profile:
         return Profile(self.namespace, self.official_source, (self.public_key,))
 
-    @property
-    def is_development(self) -> bool:
-        return self.namespace == DEVELOPMENT_NAMESPACE
-
     def sign(self, message: bytes) -> bytes:
         return self.private_key.sign(message)
 
@@ -145,10 +141,6 @@ def write_owner_only(path: Path, data: bytes) -> None:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "wb") as handle:
         handle.write(data)
-
-
-def is_encrypted(path: Path) -> bool:
-    return b"ENCRYPTED PRIVATE KEY" in Path(path).read_bytes()
 
 
 def load_private_key(path: Path, passphrase: bytes | None = None):

@@ -24,12 +24,12 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     """(ModelConfig, CausalLM) with the weights loaded, reporting bytes as they arrive."""
     import torch
 
+    from flare.engine.factory import attention_backend
     from flare.models import ModelConfig, build_model
-    from flare.server.package_model import attention_backend
 
     with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
         cfg = ModelConfig.from_hf_config(model.hf_config)
-        network = build_model(cfg, getattr(torch, model.dtype), device, attention_backend(device))
+        network = build_model(cfg, getattr(torch, model.dtype), device, attention_backend(device, cfg.head_dim))
 
         def counted():
             for name, tensor in model.iter_weights():
@@ -43,14 +43,14 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
 
 def start_in_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
     """debug-serve: load, prepare and allocate here; the core steps on a thread of this process."""
-    from flare.engine.factory import LoadedModel, build_core
+    from flare.engine.factory import LoadedModel, build_core, merge_token_ids
     from flare.frontend.tokenizer import eos_token_ids_of
 
     cfg, network = load_model_weights(model, device, stages)
     with stages.stage("Prepare kernels and graphs") as stage:
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
     with stages.stage("Allocate caches") as stage:
-        eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *eos_token_ids_of(model.frontend_dir, None))))
+        eos = merge_token_ids(cfg.eos_token_ids, eos_token_ids_of(model.frontend_dir, None))
         core = build_core(LoadedModel(cfg, network, eos, engine_config, device, model.dtype))
         stage.note(_pool_note(engine_config))
 

@@ -9,30 +9,6 @@ from typing import Any, Mapping, Sequence
 from flare.frontend.chat_template import ChatTemplate
 
 
-class _TokenizersAdapter:
-    """A `tokenizers.Tokenizer` with the small interface the routes use (when no richer one is given)."""
-
-    def __init__(self, directory: Path) -> None:
-        import json
-
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        eos_ids: set[int] = set()
-        for name in ("generation_config.json", "config.json"):
-            path = directory / name
-            if path.is_file():
-                value = json.loads(path.read_text()).get("eos_token_id")
-                eos_ids.update(value if isinstance(value, list) else [value] if value is not None else [])
-        self.eos_token_ids = tuple(sorted(eos_ids))
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
 @dataclass
 class ServingFrontend:
     tokenizer: Any                   # encode(text, add_special_tokens), decode(ids), eos_token_ids
@@ -43,16 +19,10 @@ class ServingFrontend:
     @classmethod
     def from_dir(cls, directory: Path, tokenizer: Any = None) -> "ServingFrontend":
         """Load the tokenizer (unless given) and chat template from a frontend directory."""
+        from flare.frontend.tokenizer import load_tokenizer
+
         directory = Path(directory)
-        if tokenizer is not None:
-            return cls(tokenizer, ChatTemplate.from_dir(directory))
-        try:
-            from flare.frontend.tokenizer import load_tokenizer
-        except ImportError:
-            tokenizer = _TokenizersAdapter(directory)
-        else:
-            tokenizer = load_tokenizer(directory)
-        return cls(tokenizer, ChatTemplate.from_dir(directory))
+        return cls(tokenizer if tokenizer is not None else load_tokenizer(directory), ChatTemplate.from_dir(directory))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from flare.frontend.tool_parsers import (DEFAULT_PARSER, ParsedOutput, ToolParse
 from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from flare.server.errors import APIError, bad_request
 from flare.server.metrics import ServerMetrics
-from flare.server.settings import ServerSettings
+from flare.server.settings import SAMPLING_CONTROLS, ServerSettings
 
 
 def new_id(prefix: str) -> str:
@@ -196,8 +196,7 @@ class Generation:
     def sampling_params(self, requested: RequestedSampling, max_tokens: int, index: int = 0) -> SamplingParams:
         policy = self.settings.sampling
         values: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in SAMPLING_CONTROLS:
             value = policy.resolve(name, getattr(requested, name))
             if value is not None:
                 values[name] = int(value) if name == "top_k" else float(value)

@@ -14,17 +14,6 @@ STAGE_PREPARE = "Prepare kernels and graphs"
 STAGE_ALLOCATE = "Allocate caches"
 
 
-def attention_backend(device: str):
-    """Our Triton kernels on a GPU; the plain PyTorch reference on the CPU (where Triton only interprets)."""
-    if device == "cuda":
-        from flare.engine.attention_triton import TritonBackend
-
-        return TritonBackend()
-    from flare.engine.attention import TorchReferenceBackend
-
-    return TorchReferenceBackend()
-
-
 def _report(progress: Any, *message: Any) -> None:
     if progress is not None:
         progress.put(message)
@@ -35,14 +24,14 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     """A `LoadedModel` for the package at `package_path` (already verified by the caller)."""
     import torch
 
-    from flare.engine.factory import LoadedModel
+    from flare.engine.factory import LoadedModel, attention_backend, merge_token_ids
     from flare.models import ModelConfig, build_model
     from flare.package.reader import open_unverified
 
     package = open_unverified(Path(package_path))
     _report(progress, "total", sum(r["size"] for r in package.weight_payloads()))
     cfg = ModelConfig.from_hf_config(package.hf_config)
-    model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device))
+    model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device, cfg.head_dim))
 
     def counted():
         for name, tensor in package.iter_weights():
@@ -51,7 +40,7 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
 
     model.load_hf_weights(counted())
     _report(progress, "stage", STAGE_PREPARE)
-    eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *extra_eos_token_ids)))
-    loaded = LoadedModel(cfg, model, eos, engine_config, device, dtype)
+    loaded = LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
+                         device, dtype)
     _report(progress, "stage", STAGE_ALLOCATE)          # the engine allocates the KV cache next
     return loaded

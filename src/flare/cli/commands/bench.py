@@ -24,7 +24,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", metavar="LIST", help="one GPU index, relative to CUDA_VISIBLE_DEVICES (default 0)")
     parser.add_argument("--max-concurrency", metavar="N", type=int,
                         help="prepared request capacity (default: the largest selected batch)")
-    parser.add_argument("--config", metavar="PATH", help="configuration file (default ~/.config/flare/config.toml)")
     parser.add_argument("--batches", metavar="LIST", default=listed(DEFAULT_BATCHES),
                         help=f"distinct comma-separated request batches (default {listed(DEFAULT_BATCHES)})")
     parser.add_argument("--contexts", metavar="LIST", default=listed(DEFAULT_CONTEXTS),
@@ -82,7 +81,7 @@ def build_target(args, concurrency: int, max_context: int):
     if len(gpus) != 1:
         raise UsageError(f"--gpus {args.gpus}: ignition bench runs on one local GPU")
     torch.cuda.set_device(gpus[0])
-    directory = checkpoint_directory(args.model, args.config)
+    directory = checkpoint_directory(args.model, args.configuration)
 
     from flare.bench_model import ModelDecodeTarget
     from flare.engine.attention_triton import TritonBackend
@@ -96,15 +95,13 @@ def build_target(args, concurrency: int, max_context: int):
     return target, configuration
 
 
-def checkpoint_directory(model, config_path):
-    """A local checkpoint directory for MODEL: a directory as given, else through model resolution."""
+def checkpoint_directory(model, configuration):
+    """A local checkpoint directory for MODEL: a directory as given, else through model resolution
+    (`configuration` is the file the command line already loaded, for defaults.model and the hub)."""
     from pathlib import Path
+
+    from flare.resolve import fetch, resolve_model
 
     if model and (Path(model) / "config.json").is_file():
         return Path(model)
-    try:
-        from flare.config import load_config
-        from flare.resolve import fetch, resolve_model
-    except ImportError as error:
-        raise UsageError(f"MODEL {model}: this build resolves only checkpoint directories") from error
-    return fetch(resolve_model(model, load_config(Path(config_path) if config_path else None)))
+    return fetch(resolve_model(model, configuration))
