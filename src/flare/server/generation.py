@@ -129,7 +129,10 @@ class Generation:
     # ---- admission -------------------------------------------------------------------------------
 
     def admit(self, prompt_len: int, max_tokens: int | None, n: int, max_tokens_field: str) -> int:
-        """The output limit this request gets; refuses in the section-6 form what cannot run."""
+        """The output limit this request gets; refuses in the section-6 form what cannot run.
+
+        The server owns the checks an HTTP client sees (their wording and fields); the engine's own
+        prompt check (`validate_prompt`, once, in `AsyncEngine.generate`) stays as the engine's guard."""
         context = self.settings.max_model_len
         if n < 1:
             raise bad_request(f"n must be at least 1, got {n}", param="n")
