@@ -138,3 +138,31 @@ def test_counters_only_grow_across_batches(make_fake_core):
     misses = [s.prefix_cache_miss_tokens for s in seen]
     assert hits[0] < hits[1] < hits[2] and misses[0] < misses[1] < misses[2]
     assert hits[-1] + misses[-1] == 9 * 13          # every prompt token is a hit or a miss, once
+
+
+
+def test_a_request_waiting_at_the_head_of_the_queue_hashes_each_page_once(make_fake_core, monkeypatch):
+    from flare.engine import kv_cache
+
+    sha256 = kv_cache.hashlib.sha256
+    num_hashes = 0
+
+    def counting_sha256(data: bytes = b""):
+        nonlocal num_hashes
+        num_hashes += 1
+        return sha256(data)
+
+    monkeypatch.setattr(kv_cache.hashlib, "sha256", counting_sha256)
+    core = make_fake_core(page_size=4, num_pages=8, max_model_len=32, prefill_chunk=64)
+    first = prompt(24)
+    add(core, "first", first, max_tokens=4)                         # 28 tokens: 7 pages, 1 left free
+    core.step()
+    add(core, "long", first[:16] + prompt(12, 3), max_tokens=4)    # 4 pages cached, 4 more needed
+    waited = 0
+    while "long" not in {chunk.request.request_id for chunk in core.runner.steps[-1].chunks}:
+        core.step()
+        waited += 1
+    run_to_end(core)
+    assert waited >= 3                  # it matched its cached prefix again on each of these steps
+    assert core.stats().prefix_cache_hit_tokens >= 16
+    assert num_hashes <= 28 // 4 + 32 // 4                          # each request's full pages, once

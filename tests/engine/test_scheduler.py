@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from fake_runner import fake_continuation
 
 from flare.engine.core import EngineCore
@@ -136,3 +137,25 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(make_fake_core):
     assert reports[0].num_cached_tokens == 12
     assert [t for r in reports for t in r.new_token_ids] == first["a"]
     assert core.runner.steps[-3].chunks[0].num_new_tokens == 1   # only the last prompt token computed
+
+
+def test_a_prompt_is_validated_once_where_it_enters_the_engine(make_fake_core, monkeypatch):
+    from flare.engine import core as core_module
+    from flare.engine.core import InvalidRequest
+    from flare.engine.core_process import _handle
+
+    checked = []
+    validate_prompt = core_module.validate_prompt
+    monkeypatch.setattr(core_module, "validate_prompt", lambda ids, *limits: checked.append(ids) or
+                        validate_prompt(ids, *limits))
+    core = make_fake_core(page_size=4, num_pages=16, max_model_len=32)
+    add(core, "in-process", prompt(5))
+    with pytest.raises(InvalidRequest, match="at most 32"):
+        add(core, "too-long", prompt(40))
+    assert len(checked) == 2                            # an in-process caller's prompt is checked by the core
+    # The core process takes what AsyncEngine.generate already validated, and only refuses a reused id.
+    assert _handle(core, ("add", EngineRequest("served", tuple(prompt(6)), SamplingParams(max_tokens=2)))) is None
+    assert len(checked) == 2
+    refused = _handle(core, ("add", EngineRequest("served", (1,), SamplingParams())))
+    assert refused is not None and refused[0] == "error" and "already in use" in refused[2]
+    assert fake_continuation(prompt(6), 2) == run_to_end(core)["served"]

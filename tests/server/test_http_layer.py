@@ -274,3 +274,23 @@ def test_health_is_503_with_the_reason_once_the_engine_died(stories260k):
         reply = client.get("/health")
     assert reply.status_code == 503
     assert "exit code -9" in reply.json()["message"]
+
+
+def test_n_samples_share_one_conversion_and_get_their_own_seeds(stories260k, monkeypatch):
+    from flare.server import generation
+    from flare.server.metrics import ServerMetrics
+
+    frontend = ServingFrontend.from_dir(stories260k)
+    gen = generation.Generation(None, frontend, ServerSettings(("tiny",), "tiny", 512, 4), ServerMetrics(lambda: None))
+    checks = []
+    check_token_ids = generation.check_token_ids
+    monkeypatch.setattr(generation, "check_token_ids", lambda *args: checks.append(args) or check_token_ids(*args))
+    requested = generation.RequestedSampling(seed=7, logit_bias={"300": 150.0, "5": -1})
+    params = gen.sampling_params(requested, 10, 3)
+    assert len(checks) == 1                                        # the bias is converted once, not per sample
+    assert [p.seed for p in params] == [7, 8, 9]                   # samples must differ
+    assert {p.logit_bias for p in params} == {((300, 100.0), (5, -1.0))}
+    unseeded = gen.sampling_params(generation.RequestedSampling(), 10, 2)
+    assert [p.seed for p in unseeded] == [None, None]
+    with pytest.raises(generation.APIError, match="outside the vocabulary"):
+        gen.sampling_params(generation.RequestedSampling(logit_bias={"99999": 1}), 10, 2)

@@ -109,6 +109,7 @@ class AsyncEngine:
         """Stream the request's outputs until it finishes. Leaving the loop early aborts the request."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        # The served engine's one prompt check: the core process takes what is sent as validated.
         validate_prompt(prompt_token_ids, self._ready.engine_config.max_model_len, self._ready.vocab_size)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:

@@ -61,7 +61,20 @@ class EngineCore:
         self._num_computed_tokens = 0
 
     def add_request(self, engine_request: EngineRequest) -> None:
-        self._validate(engine_request)
+        """Queue a request from an in-process caller; InvalidRequest for a prompt the engine cannot serve."""
+        self._check_unused_id(engine_request.request_id)
+        validate_prompt(engine_request.prompt_token_ids, self.config.max_model_len, self.runner.vocab_size)
+        self._queue(engine_request)
+
+    def add_validated_request(self, engine_request: EngineRequest) -> None:
+        """Queue a request whose prompt `validate_prompt` already accepted against this engine's limits.
+
+        The engine-core process takes requests this way: the AsyncEngine that sends them validated them
+        where they entered, so the prompt is not scanned again."""
+        self._check_unused_id(engine_request.request_id)
+        self._queue(engine_request)
+
+    def _queue(self, engine_request: EngineRequest) -> None:
         request = Request(engine_request, next(self._arrivals))
         self.requests[request.request_id] = request
         self.scheduler.add(request)
@@ -121,10 +134,9 @@ class EngineCore:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _validate(self, engine_request: EngineRequest) -> None:
-        if engine_request.request_id in self.requests:
-            raise InvalidRequest(f"request id {engine_request.request_id!r} is already in use")
-        validate_prompt(engine_request.prompt_token_ids, self.config.max_model_len, self.runner.vocab_size)
+    def _check_unused_id(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
 
     def _update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[CoreOutput]:
         outputs = []
@@ -161,7 +173,11 @@ class EngineCore:
 
 
 def validate_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:
-    """Raise InvalidRequest for a prompt the engine cannot serve (empty, too long, unknown ids)."""
+    """Raise InvalidRequest for a prompt the engine cannot serve (empty, too long, unknown ids).
+
+    Checked once per request, where it enters the engine: `EngineCore.add_request` for in-process
+    callers, `AsyncEngine.generate` for the served engine (the core process then trusts it). The HTTP
+    server's own admission checks come first and answer in the API's error form."""
     if not prompt_token_ids:
         raise InvalidRequest("the prompt is empty; send at least one token")
     if len(prompt_token_ids) >= max_model_len:

@@ -87,7 +87,7 @@ def _handle(core, message: tuple) -> tuple | None:
     kind, payload = message
     if kind == "add":
         try:
-            core.add_request(payload)
+            core.add_validated_request(payload)     # AsyncEngine.generate validated the prompt
         except InvalidRequest as error:
             return ("error", payload.request_id, str(error))
     elif kind == "abort":

@@ -16,7 +16,10 @@ and they are evicted least recently used first only when free pages run out.
 
 A page hash is SHA-256 over the previous page's hash and the page's token ids: a collision would
 silently serve another prompt's KV, so a 64-bit hash is not enough. Hashes are private to the
-engine-core process; nothing persists or crosses a process boundary.
+engine-core process; nothing persists or crosses a process boundary. A request's tokens only grow,
+so the hashes of its full pages are computed once and kept until the request is freed for good
+(`free`); a request that gives its pages back to come again (`release_pages`: it could not be
+admitted yet, or was preempted) keeps them, so waiting at the head of the queue costs no rehashing.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()   # least recently used first
         self._page_tables: dict[str, list[int]] = {}
-        self._hash_chains: dict[str, list[bytes]] = {}             # request -> hashes of its full pages
+        self._hash_chains: dict[str, list[bytes]] = {}             # request -> hashes of its cached pages
+        self._token_hashes: dict[str, list[bytes]] = {}            # request -> hashes of its full pages so far
         self._page_of_hash: dict[bytes, int] = {}
         self._hash_of_page: dict[int, bytes] = {}
         self.num_evicted_pages = 0                                 # counter: cached pages reclaimed
@@ -84,10 +88,10 @@ class PageAllocator:
         if request_id in self._page_tables:
             raise KVCacheIntegrityError(f"request {request_id!r} already holds pages")
         table: list[int] = []
-        chain: list[int] = []
+        chain: list[bytes] = []
         if self.enable_prefix_caching:
             for index in range(max_tokens // self.page_size):
-                page_hash = self._hash_page(chain, token_ids, index)
+                page_hash = self._content_hash(request_id, token_ids, index)
                 page = self._page_of_hash.get(page_hash)
                 if page is None:
                     break
@@ -116,7 +120,7 @@ class PageAllocator:
         chain = self._hash_chains[request_id]
         table = self._page_tables[request_id]
         for index in range(len(chain), num_computed_tokens // self.page_size):
-            page_hash = self._hash_page(chain, token_ids, index)
+            page_hash = self._content_hash(request_id, token_ids, index)
             chain.append(page_hash)
             page = table[index]
             # Two requests may compute the same content at once; the first one's page is the cached one.
@@ -125,7 +129,12 @@ class PageAllocator:
                 self._hash_of_page[page] = page_hash
 
     def free(self, request_id: str) -> None:
-        """Release every page of `request_id`. Cached pages stay reusable until evicted."""
+        """Release every page of a finished `request_id`. Cached pages stay reusable until evicted."""
+        self.release_pages(request_id)
+        self._token_hashes.pop(request_id, None)
+
+    def release_pages(self, request_id: str) -> None:
+        """Release every page of `request_id`, which will ask again: its content hashes are kept."""
         table = self._page_tables.pop(request_id, [])
         self._hash_chains.pop(request_id, None)
         # Release the tail first so it is evicted before the prefix pages that more requests share.
@@ -190,6 +199,13 @@ class PageAllocator:
         if self._refcounts[page] == 0:
             del self._evictable[page]
         self._refcounts[page] += 1
+
+    def _content_hash(self, request_id: str, token_ids: Sequence[int], index: int) -> bytes:
+        """The chained hash of page `index` of the request's tokens, each page hashed once per request."""
+        hashes = self._token_hashes.setdefault(request_id, [])
+        while len(hashes) <= index:
+            hashes.append(self._hash_page(hashes, token_ids, len(hashes)))
+        return hashes[index]
 
     def _hash_page(self, chain: list[bytes], token_ids: Sequence[int], index: int) -> bytes:
         start = index * self.page_size

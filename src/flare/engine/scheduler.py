@@ -181,7 +181,7 @@ class Scheduler:
         step.drop(request.request_id)
         step.preempted.append(request.request_id)
         self.running.remove(request)
-        self.allocator.free(request.request_id)
+        self.allocator.release_pages(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -196,7 +196,7 @@ class Scheduler:
         request.num_computed_tokens = cached
         num_new = self._prefill_size(request, step, now)
         if num_new <= 0 or not self.allocator.can_allocate(request.request_id, cached + num_new):
-            self.allocator.free(request.request_id)         # unpin the matched prefix; retry next step
+            self.allocator.release_pages(request.request_id)    # unpin the matched prefix; retry next step
             request.num_computed_tokens = 0
             return False
         self.allocator.allocate(request.request_id, cached + num_new)

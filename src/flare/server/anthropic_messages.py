@@ -147,7 +147,7 @@ async def create(gen: Generation, body: AnthropicMessagesRequest) -> dict | Asyn
     max_tokens = gen.admit(len(ids), body.max_tokens, 1, "max_tokens")
     requested = RequestedSampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, stop=tuple(s for s in body.stop_sequences or () if s))
-    params = [gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)]
+    params = gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)
     message_id = new_id("msg_")
     if body.stream:
         return _stream(gen, body, message_id, ids, params, (parser, tools, prefix))

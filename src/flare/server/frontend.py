@@ -15,6 +15,7 @@ class ServingFrontend:
     chat_template: ChatTemplate
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
     _anchor: list[int] | None = field(default=None, repr=False)
+    _anchor_text: str = field(default="", repr=False)
 
     @classmethod
     def from_dir(cls, directory: Path, tokenizer: Any = None) -> "ServingFrontend":
@@ -49,7 +50,8 @@ class ServingFrontend:
             # (decoded alone it would lose it) and the tokens of a reply concatenate to the reply's text.
             if self._anchor is None:
                 self._anchor = (self.encode("a", add_special_tokens=False) or [token_id])[:1]
-            prefix = self.tokenizer.decode(self._anchor)
+                self._anchor_text = self.tokenizer.decode(self._anchor)    # the anchor is decoded once
+            prefix = self._anchor_text
             both = self.tokenizer.decode(self._anchor + [token_id])
             text = both[len(prefix):] if both.startswith(prefix) else self.tokenizer.decode([token_id])
             self._token_texts[token_id] = text

@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Sequence
 
 from flare.engine.outputs import RequestOutput, TokenLogprob
@@ -129,7 +129,10 @@ class Generation:
     # ---- admission -------------------------------------------------------------------------------
 
     def admit(self, prompt_len: int, max_tokens: int | None, n: int, max_tokens_field: str) -> int:
-        """The output limit this request gets; refuses in the section-6 form what cannot run."""
+        """The output limit this request gets; refuses in the section-6 form what cannot run.
+
+        The server owns the checks an HTTP client sees (their wording and fields); the engine's own
+        prompt check (`validate_prompt`, once, in `AsyncEngine.generate`) stays as the engine's guard."""
         context = self.settings.max_model_len
         if n < 1:
             raise bad_request(f"n must be at least 1, got {n}", param="n")
@@ -193,7 +196,14 @@ class Generation:
 
     # ---- sampling --------------------------------------------------------------------------------
 
-    def sampling_params(self, requested: RequestedSampling, max_tokens: int, index: int = 0) -> SamplingParams:
+    def sampling_params(self, requested: RequestedSampling, max_tokens: int, n: int = 1) -> list[SamplingParams]:
+        """One SamplingParams per sample, converted once; sample i's seed is the request's seed + i."""
+        first = self._sampling_params(requested, max_tokens)
+        if first.seed is None:
+            return [first] * n
+        return [first] + [replace(first, seed=first.seed + index) for index in range(1, n)]   # n samples must differ
+
+    def _sampling_params(self, requested: RequestedSampling, max_tokens: int) -> SamplingParams:
         policy = self.settings.sampling
         values: dict[str, Any] = {}
         for name in SAMPLING_CONTROLS:
@@ -203,9 +213,8 @@ class Generation:
         stop_ids = tuple(requested.stop_token_ids)
         if not requested.ignore_eos:
             stop_ids += tuple(t for t in self.frontend.eos_token_ids if t not in stop_ids)
-        seed = None if requested.seed is None else requested.seed + index   # n samples must differ
         try:
-            return SamplingParams(max_tokens=max_tokens, seed=seed, stop=tuple(requested.stop),
+            return SamplingParams(max_tokens=max_tokens, seed=requested.seed, stop=tuple(requested.stop),
                                   stop_token_ids=stop_ids, ignore_eos=requested.ignore_eos,
                                   include_stop_str_in_output=requested.include_stop_str_in_output,
                                   skip_special_tokens=requested.skip_special_tokens,
@@ -325,7 +334,5 @@ def parse_reply(text: str, parser: ToolParser | None, tools: ToolRequest, prefix
 def with_tool_tokens(requested: RequestedSampling, parser: ToolParser | None) -> RequestedSampling:
     """Keep special tokens in the text when the parser's markers are special tokens (Mistral's [TOOL_CALLS])."""
     if parser is not None and parser.keeps_special_tokens:
-        from dataclasses import replace
-
         return replace(requested, skip_special_tokens=False)
     return requested

@@ -97,7 +97,7 @@ async def create(gen: Generation, body: ChatCompletionRequest) -> dict | AsyncIt
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = gen.admit(len(ids), max_tokens, body.n, field)
     requested = with_tool_tokens(requested_sampling(body, max_tokens, logprobs), parser)
-    params = [gen.sampling_params(requested, max_tokens, index) for index in range(body.n)]
+    params = gen.sampling_params(requested, max_tokens, body.n)
     # vLLM's `echo`: the reply repeats the final assistant message it continues
     echo_text = message_text(body.messages[-1]) if body.echo and body.messages[-1].role == "assistant" else ""
     request_id = new_id("chatcmpl-")

@@ -76,8 +76,8 @@ async def create(gen: Generation, body: CompletionRequest) -> dict | AsyncIterat
     prompt_logprobs = logprobs if (body.echo and logprobs is not None) else None
     requested = requested_sampling(body, body.max_tokens, logprobs, prompt_logprobs)
     # choice index = prompt index * n + sample index, as OpenAI numbers them
-    jobs = [(ids, gen.sampling_params(requested, limit, sample))
-            for ids, limit in zip(prompts, limits) for sample in range(body.n)]
+    jobs = [(ids, params) for ids, limit in zip(prompts, limits)
+            for params in gen.sampling_params(requested, limit, body.n)]
     request_id = new_id("cmpl-")
     if body.stream:
         return _stream(gen, body, request_id, prompts, jobs)

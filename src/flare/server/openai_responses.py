@@ -162,7 +162,7 @@ async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterato
                                   top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                   seed=body.seed, ignore_eos=body.ignore_eos,
                                   logprobs=top_k if want_logprobs else None)
-    params = [gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)]
+    params = gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)
     response = _Response(body, new_id("resp_"), new_id("msg_"))
     if body.stream:
         return _stream(gen, response, ids, params, want_logprobs, top_k, (parser, tools, prefix))
