@@ -60,6 +60,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput, allocator: PageAllocator) -> RunnerOutput:
         chunks = scheduled.chunks
+        self.sampler.forget(scheduled.preempted_ids)       # their counts are rebuilt when they resume
         sampling = [i for i, chunk in enumerate(chunks) if chunk.completes]
         if self._fits_graph(chunks):
             hidden, logits = self.graphs.run(self._decode_batch(chunks, allocator))

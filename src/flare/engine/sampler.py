@@ -9,13 +9,17 @@ vocabulary entry, which samples exactly from p. A seeded request draws its q fro
 generator, so its tokens do not depend on what else shares the batch; unseeded requests draw
 from the engine's generator.
 
+Penalty counts are kept per request (PenaltyCounts) and brought up to date with the tokens sampled
+since the last step, so a step's penalty work does not grow with the sequence length.
+
 Logprobs are those of the raw model distribution (log-softmax of the logits before any control),
 as vLLM returns by default; `rank` is 1 for the most likely token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +42,18 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.penalty_counts = PenaltyCounts()
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the penalty counts of these requests (preempted ones; they are rebuilt when they resume)."""
+        self.penalty_counts.forget(request_ids)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: [N, V] float32, row i for requests[i]."""
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties_and_bias(logits, requests)
+        logits = apply_penalties_and_bias(logits, requests, self.penalty_counts)
         token_ids = self._choose(logits, requests)
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
         if raw_logprobs is not None:
@@ -80,8 +89,12 @@ class Sampler:
         return noise
 
 
-def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Repetition, presence and frequency penalties and logit bias; returns `logits` itself if none apply."""
+def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request],
+                             counts: PenaltyCounts | None = None) -> torch.Tensor:
+    """Repetition, presence and frequency penalties and logit bias; returns `logits` itself if none apply.
+
+    `counts` carries each request's token counts from step to step; without it they are counted afresh.
+    """
     params = [r.params for r in requests]
     needs_repetition = any(p.repetition_penalty != 1.0 for p in params)
     needs_additive = any(p.presence_penalty or p.frequency_penalty for p in params)
@@ -91,16 +104,17 @@ def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) 
     logits = logits.clone()
     num_rows, vocab_size = logits.shape
     device = logits.device
+    if needs_repetition or needs_additive:
+        prompt_seen, output_counts = (counts if counts is not None else PenaltyCounts()).rows(requests, vocab_size, device)
     if needs_repetition:
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        seen = _token_counts(requests, vocab_size, device, include_prompt=True) > 0
+        seen = prompt_seen | (output_counts > 0)
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalized, logits)
     if needs_additive:
-        counts = _token_counts(requests, vocab_size, device, include_prompt=False)
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        logits -= frequency * counts + presence * (counts > 0)
+        logits -= frequency * output_counts + presence * (output_counts > 0)
     if needs_bias:
         rows, columns, values = [], [], []
         for row, p in enumerate(params):
@@ -112,15 +126,71 @@ def apply_penalties_and_bias(logits: torch.Tensor, requests: Sequence[Request]) 
     return logits
 
 
-def _token_counts(requests: Sequence[Request], vocab_size: int, device: torch.device,
-                  include_prompt: bool) -> torch.Tensor:
-    """[N, V] float32: how often each token occurs in each request's output (and prompt if asked)."""
-    counts = torch.zeros(len(requests), vocab_size, device=device)
-    for row, request in enumerate(requests):
-        ids = request.all_token_ids if include_prompt else request.output_token_ids
-        if ids:
-            index = torch.tensor(ids, device=device)
-            counts[row].index_add_(0, index, torch.ones(len(ids), device=device))
+def _uses_penalties(request: Request) -> bool:
+    p = request.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+@dataclass
+class _TokenCounts:
+    """One request's counts: which tokens its prompt holds, how often each occurs in its output."""
+
+    prompt_seen: torch.Tensor       # [V] bool
+    output_counts: torch.Tensor     # [V] float32
+    num_counted: int                # output tokens already in output_counts
+
+
+class PenaltyCounts:
+    """Per-request token counts for the penalties, updated with the output tokens that arrived since
+    the last step.
+
+    A request's counts are made from its prompt (and any output it already has) the first time it is
+    sampled with a penalty. Output tokens are only ever appended, also across a preemption, so counting
+    the new ones keeps the counts exact. Counts are held by the request object weakly: a finished or
+    aborted request takes them along when the core lets go of it; `forget` drops them sooner.
+    """
+
+    def __init__(self) -> None:
+        self._counts: weakref.WeakKeyDictionary[Request, _TokenCounts] = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        """Requests whose counts are held."""
+        return len(self._counts)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        ids = set(request_ids)
+        for request in [r for r in self._counts if r.request_id in ids]:
+            del self._counts[request]
+
+    def rows(self, requests: Sequence[Request], vocab_size: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, V] bool prompt tokens and [N, V] float32 output counts, row i for requests[i].
+
+        Rows of requests without penalties stay empty: their penalties are neutral whatever the counts.
+        """
+        found = [self._current(r, vocab_size, device) if _uses_penalties(r) else None for r in requests]
+        if any(c is None for c in found):
+            empty = _TokenCounts(torch.zeros(vocab_size, dtype=torch.bool, device=device),
+                                 torch.zeros(vocab_size, device=device), 0)
+            found = [empty if c is None else c for c in found]
+        return torch.stack([c.prompt_seen for c in found]), torch.stack([c.output_counts for c in found])
+
+    def _current(self, request: Request, vocab_size: int, device: torch.device) -> _TokenCounts:
+        counts = self._counts.get(request)
+        if counts is None:
+            prompt_seen = _count(request.prompt_token_ids, torch.zeros(vocab_size, device=device)) > 0
+            counts = self._counts[request] = _TokenCounts(prompt_seen, torch.zeros(vocab_size, device=device), 0)
+        new_ids = request.output_token_ids[counts.num_counted:]
+        _count(new_ids, counts.output_counts)
+        counts.num_counted += len(new_ids)
+        return counts
+
+
+def _count(ids: Sequence[int], counts: torch.Tensor) -> torch.Tensor:
+    """Adds one to `counts` at each of `ids`, in place."""
+    if ids:
+        index = torch.tensor(ids, device=counts.device)
+        counts.index_add_(0, index, torch.ones(len(ids), device=counts.device))
     return counts
 
 
