@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import io
 from types import SimpleNamespace
 
@@ -21,7 +22,8 @@ def text_of(renderable, width: int = 110) -> str:
 
 
 def figures(**changes) -> Figures:
-    values = dict(uptime_s=3725.0, running=3, waiting=2, finished_requests=1234, failed_requests=4,
+    values = dict(uptime_s=3725.0, running=3, waiting=2, finished_requests=1234, aborted_requests=4,
+                  rejected_requests=2,
                   prompt_tokens=56789, generated_tokens=4321, prompt_tokens_per_s=812.5,
                   generated_tokens_per_s=97.25, kv_pages_used=30, kv_pages_total=120, prefix_hit_tokens=75,
                   prefix_miss_tokens=25, preemptions=7, page_integrity="ok",
@@ -34,13 +36,14 @@ def test_rendered_figures_show_what_an_operator_reads():
     text = text_of(render("tiny-stories", "http://127.0.0.1:8000", figures()))
     assert "tiny-stories" in text and "http://127.0.0.1:8000/v1" in text
     assert "1h02m05s" in text                                          # uptime
-    assert "3 running, 2 waiting, 1,234 finished (4 failed)" in text
+    assert "3 running, 2 waiting, 1,234 finished (4 aborted), 2 rejected" in text
     assert "56,789 (812.5 tok/s)" in text and "4,321 (97.2 tok/s)" in text
     assert "30 / 120 pages (25.0%)" in text                            # KV cache
     assert "75.0% of 100 prompt tokens" in text                        # prefix cache hit rate
-    assert "Preemptions" in text and " 7" in text
-    assert "Page integrity" in text and "ok" in text
-    lines = [line for line in text.splitlines() if "stop" in line or "aborted" in line]
+    assert re.search(r"Preemptions\s+7\s", text)
+    assert re.search(r"Page integrity\s+ok\s", text)
+    recent = text.split("Recent requests", 1)[1]
+    lines = [line for line in recent.splitlines() if "stop " in line or "aborted " in line]
     assert "aborted" in lines[0] and "stop" in lines[1]               # the newest request first
     assert "35 ms" in lines[1] and "40" in lines[1] and "12" in lines[1]
 
@@ -75,8 +78,8 @@ def test_recorder_counts_streamed_tokens_ttft_and_how_sequences_ended():
     recorder = SequenceRecorder()
     asyncio.run(consume(recorder.wrap(stream_one)("a", [1, 2, 3, 4], None)))
     asyncio.run(consume(recorder.wrap(abandoned)("b", [1, 2], None)))
-    generated, recent = recorder.snapshot()
-    assert generated == 3
+    generated, finished, aborted, recent = recorder.snapshot()
+    assert (generated, finished, aborted) == (3, 2, 1)
     assert (recent[0].status, recent[0].prompt_tokens, recent[0].generated_tokens) == ("length", 4, 3)
     assert recent[0].ttft_s is not None and recent[0].ttft_s >= 0
     assert (recent[1].status, recent[1].generated_tokens, recent[1].ttft_s) == ("aborted", 0, None)
@@ -96,7 +99,7 @@ def test_figures_come_from_engine_stats_and_the_app_metrics():
     dashboard.attach(state)
     now = dashboard.figures(now=100.0)
     assert (now.running, now.waiting, now.preemptions) == (2, 1, 3)
-    assert (now.finished_requests, now.failed_requests, now.prompt_tokens) == (7, 2, 640)
+    assert (now.rejected_requests, now.prompt_tokens) == (2, 640)
     assert now.kv_usage == 0.75 and now.prefix_hit_rate == 0.25 and now.page_integrity == "ok"
     metrics.prompt_tokens.inc(160)
     assert dashboard.figures(now=102.0).prompt_tokens_per_s == 80.0
@@ -133,6 +136,8 @@ def test_live_display_draws_and_stops_on_a_terminal(monkeypatch):
     stream = Tty()
     dashboard = Dashboard.for_stream(stream, "tiny-stories", "http://127.0.0.1:8000")
     dashboard.start()
-    dashboard.stop()
-    dashboard.stop()                                                     # the signal path and finally both stop
-    assert "tiny-stories" in stream.getvalue() and "Requests" in stream.getvalue()
+    dashboard.drain()                                                    # the signal
+    dashboard.stop()                                                     # and the finally after the drain
+    shown = stream.getvalue()
+    assert "tiny-stories" in shown and "Requests" in shown
+    assert shown.rstrip().endswith("Shutting down: finishing 0 active requests, accepting no new ones")

@@ -52,7 +52,7 @@ def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: soc
 
         def handle_exit(self, sig, frame) -> None:
             if dashboard is not None:
-                dashboard.stop()           # hand the terminal back before anything reports the drain
+                dashboard.drain()          # hand the terminal back before the drain is reported
             state.draining = True
             state.ready = False
             super().handle_exit(sig, frame)

@@ -41,8 +41,9 @@ class Figures:
     uptime_s: float
     running: int
     waiting: int
-    finished_requests: int
-    failed_requests: int
+    finished_requests: int      # engine requests (one per sequence, as running and waiting count them)
+    aborted_requests: int       # of those, the ones that ended before finishing (a client went away)
+    rejected_requests: int      # HTTP requests answered with an error
     prompt_tokens: int
     generated_tokens: int
     prompt_tokens_per_s: float
@@ -97,6 +98,8 @@ class SequenceRecorder:
 
     def __init__(self, keep: int = RECENT_REQUESTS) -> None:
         self.generated_tokens = 0
+        self.finished = 0
+        self.aborted = 0
         self.recent: deque[FinishedSequence] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
@@ -118,13 +121,16 @@ class SequenceRecorder:
                 status = str(getattr(last.finish_reason, "value", last.finish_reason)) if finished else "aborted"
                 prompt = last.num_prompt_tokens if last is not None else len(prompt_ids)
                 with self._lock:
+                    self.finished += 1
+                    self.aborted += 0 if finished else 1
                     self.recent.append(FinishedSequence(status, prompt, produced, ttft))
 
         return recorded
 
-    def snapshot(self) -> tuple[int, tuple[FinishedSequence, ...]]:
+    def snapshot(self) -> tuple[int, int, int, tuple[FinishedSequence, ...]]:
+        """Generated tokens, finished and aborted sequences, and the latest finished ones."""
         with self._lock:
-            return self.generated_tokens, tuple(self.recent)
+            return self.generated_tokens, self.finished, self.aborted, tuple(self.recent)
 
 
 # ---- drawing --------------------------------------------------------------------------------------------
@@ -154,7 +160,8 @@ def render(title: str, url: str, figures: Figures):
     rows = (
         ("Uptime", duration(figures.uptime_s)),
         ("Requests", f"{figures.running} running, {figures.waiting} waiting, "
-                     f"{figures.finished_requests:,} finished ({figures.failed_requests:,} failed)"),
+                     f"{figures.finished_requests:,} finished ({figures.aborted_requests:,} aborted), "
+                     f"{figures.rejected_requests:,} rejected"),
         ("Prompt tokens", f"{figures.prompt_tokens:,} ({figures.prompt_tokens_per_s:,.1f} tok/s)"),
         ("Generated tokens", f"{figures.generated_tokens:,} ({figures.generated_tokens_per_s:,.1f} tok/s)"),
         ("KV cache", kv),
@@ -210,20 +217,21 @@ class Dashboard:
         now = time.monotonic() if now is None else now
         stats = self.engine_stats() if self._state is not None else {}
         registry = self._state.metrics.registry if self._state is not None else None
-        finished = failed = prompt = 0
+        rejected = prompt = 0
         if registry is not None:
             for metric in registry.collect():
                 for sample in metric.samples:
-                    if sample.name == "flare_requests_total":
-                        finished += int(sample.value)
-                        failed += int(sample.value) if sample.labels.get("outcome") != "ok" else 0
+                    # (its "ok" count grows when a streamed answer starts, so finished ones come from the recorder)
+                    if sample.name == "flare_requests_total" and sample.labels.get("outcome") != "ok":
+                        rejected += int(sample.value)
                     elif sample.name == "flare_prompt_tokens_total":
                         prompt = int(sample.value)
-        generated, recent = self.recorder.snapshot()
+        generated, finished, aborted, recent = self.recorder.snapshot()
         prompt_rate, generated_rate = self.rates.add(now, prompt, generated)
         return Figures(
             uptime_s=now - self.started, running=int(stat(stats, "num_running")),
-            waiting=int(stat(stats, "num_waiting")), finished_requests=finished, failed_requests=failed,
+            waiting=int(stat(stats, "num_waiting")), finished_requests=finished, aborted_requests=aborted,
+            rejected_requests=rejected,
             prompt_tokens=prompt, generated_tokens=generated, prompt_tokens_per_s=prompt_rate,
             generated_tokens_per_s=generated_rate, kv_pages_used=int(stat(stats, "kv_pages_used")),
             kv_pages_total=int(stat(stats, "kv_pages_total")),
@@ -252,3 +260,16 @@ class Dashboard:
         live, self._live = self._live, None
         if live is not None:
             live.stop()
+
+    def drain(self) -> None:
+        """On SIGINT/SIGTERM: stop the display and say that the active requests finish before the exit."""
+        if self._live is None:
+            return
+        self.stop()
+        try:
+            stats = self.engine_stats()
+            running = int(stat(stats, "num_running")) + int(stat(stats, "num_waiting"))
+        except Exception:                        # the engine may be gone already; the message still holds
+            running = 0
+        print(f"Shutting down: finishing {running} active request{'s' if running != 1 else ''}, "
+              "accepting no new ones", file=self.stream, flush=True)
