@@ -62,8 +62,8 @@ def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: soc
     if dashboard is not None:
         dashboard.attach(state)
     # No access log ever; under the dashboard only errors, which would otherwise tear the display
-    config = uvicorn.Config(app, log_level="warning" if dashboard is None else "error", access_log=False, timeout_graceful_shutdown=None,
-                            limit_concurrency=None, backlog=2048)
+    config = uvicorn.Config(app, log_level="warning" if dashboard is None else "error", access_log=False,
+                            timeout_graceful_shutdown=None, limit_concurrency=None, backlog=2048)
     server = DrainingServer(config)
     if dashboard is not None:
         dashboard.start()

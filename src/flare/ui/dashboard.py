@@ -165,7 +165,8 @@ def render(title: str, url: str, figures: Figures):
         ("Prompt tokens", f"{figures.prompt_tokens:,} ({figures.prompt_tokens_per_s:,.1f} tok/s)"),
         ("Generated tokens", f"{figures.generated_tokens:,} ({figures.generated_tokens_per_s:,.1f} tok/s)"),
         ("KV cache", kv),
-        ("Prefix cache hits", f"{percent(figures.prefix_hit_rate)} of {figures.prefix_hit_tokens + figures.prefix_miss_tokens:,} prompt tokens"),
+        ("Prefix cache hits", f"{percent(figures.prefix_hit_rate)} of "
+                              f"{figures.prefix_hit_tokens + figures.prefix_miss_tokens:,} prompt tokens"),
         ("Preemptions", f"{figures.preemptions:,}"),
         ("Page integrity", f"[{integrity_style}]{integrity}[/]"),
     )
