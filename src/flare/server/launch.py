@@ -21,6 +21,7 @@ from flare.server.listener import open_listener, run_http, url_for
 from flare.server.served_model import ServedModel
 from flare.server.settings import SamplingPolicy, ServerSettings
 from flare.ui.banner import show_banner
+from flare.ui.dashboard import Dashboard
 from flare.ui.stages import StageReporter
 
 
@@ -109,7 +110,8 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
         report = startup_lines() + startup_report(model, settings, pool, engine_config, url_for(host, port), device)
         for line in report:
             print(line, file=stream, flush=True)
-        return run_http(engine, frontend, settings, listener)
+        dashboard = Dashboard.for_stream(stream, names[0], url_for(host, port))   # None when redirected
+        return run_http(engine, frontend, settings, listener, dashboard)
     finally:
         engine.shutdown()
 

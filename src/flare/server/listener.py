@@ -37,7 +37,9 @@ def url_for(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: socket.socket) -> int:
+def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: socket.socket,
+             dashboard: Any = None) -> int:
+    """Serve until a signal drains the server. `dashboard` (flare.ui.dashboard.Dashboard) is live meanwhile."""
     import uvicorn
 
     from flare.server.app import build_app
@@ -49,14 +51,25 @@ def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: soc
         """On SIGINT/SIGTERM: /health turns 503, no new connections, active requests finish, then exit."""
 
         def handle_exit(self, sig, frame) -> None:
+            if dashboard is not None:
+                dashboard.drain()          # hand the terminal back before the drain is reported
             state.draining = True
             state.ready = False
             super().handle_exit(sig, frame)
             # uvicorn re-raises a handled signal after shutdown; the drain is the intended exit, status 0
             self._captured_signals.clear()
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=None,
-                            limit_concurrency=None, backlog=2048)
+    if dashboard is not None:
+        dashboard.attach(state)
+    # No access log ever; under the dashboard only errors, which would otherwise tear the display
+    config = uvicorn.Config(app, log_level="warning" if dashboard is None else "error", access_log=False,
+                            timeout_graceful_shutdown=None, limit_concurrency=None, backlog=2048)
     server = DrainingServer(config)
-    server.run(sockets=[listener])
+    if dashboard is not None:
+        dashboard.start()
+    try:
+        server.run(sockets=[listener])
+    finally:
+        if dashboard is not None:
+            dashboard.stop()
     return 0
