@@ -11,6 +11,7 @@ from rich.console import Console
 
 from flare.engine.core import EngineStats
 from flare.engine.outputs import RequestOutput
+from flare.server.generation import Generation
 from flare.server.metrics import ServerMetrics
 from flare.ui.dashboard import Dashboard, FinishedSequence, Figures, SequenceRecorder, TokenRates, render
 
@@ -64,25 +65,37 @@ def test_token_rates_cover_only_the_recent_window():
 
 
 def test_recorder_counts_streamed_tokens_ttft_and_how_sequences_ended():
-    async def stream_one(request_id, prompt_ids, params):
-        yield RequestOutput(request_id, (5, 6), "ab")
-        yield RequestOutput(request_id, (7,), "c", finished=True, finish_reason="length", num_prompt_tokens=4)
+    class StandInEngine:
+        aborted: list = []
 
-    async def abandoned(request_id, prompt_ids, params):
-        yield RequestOutput(request_id, (), "")
+        async def generate(self, request_id, prompt_ids, params):
+            if request_id == "a":
+                yield RequestOutput(request_id, (5, 6), "ab")
+                yield RequestOutput(request_id, (7,), "c", finished=True, finish_reason="length",
+                                    num_prompt_tokens=4)
+            else:                                       # a client that leaves before any token
+                yield RequestOutput(request_id, (), "")
 
-    async def consume(stream):
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    async def consume(stream, first_only=False):
         async for _ in stream:
-            pass
+            if first_only:
+                break
+        await stream.aclose()
 
+    generation = Generation(StandInEngine(), None, None, ServerMetrics(lambda: None))
     recorder = SequenceRecorder()
-    asyncio.run(consume(recorder.wrap(stream_one)("a", [1, 2, 3, 4], None)))
-    asyncio.run(consume(recorder.wrap(abandoned)("b", [1, 2], None)))
+    generation.observer = recorder
+    asyncio.run(consume(generation.stream_one("a", [1, 2, 3, 4], None)))
+    asyncio.run(consume(generation.stream_one("b", [1, 2], None), first_only=True))
     generated, finished, aborted, recent = recorder.snapshot()
     assert (generated, finished, aborted) == (3, 2, 1)
     assert (recent[0].status, recent[0].prompt_tokens, recent[0].generated_tokens) == ("length", 4, 3)
     assert recent[0].ttft_s is not None and recent[0].ttft_s >= 0
     assert (recent[1].status, recent[1].generated_tokens, recent[1].ttft_s) == ("aborted", 0, None)
+    assert StandInEngine.aborted == ["b"]
 
 
 def test_figures_come_from_engine_stats_and_the_app_metrics():
@@ -94,7 +107,7 @@ def test_figures_come_from_engine_stats_and_the_app_metrics():
     metrics.requests.labels(api="chat_completions", outcome="error").inc(2)
     metrics.prompt_tokens.inc(640)
     state = SimpleNamespace(engine=SimpleNamespace(stats=lambda: engine_stats), metrics=metrics,
-                            generation=SimpleNamespace(stream_one=None), last_stats={})
+                            generation=SimpleNamespace(observer=None), last_stats={})
     dashboard = Dashboard(io.StringIO(), "m", "http://127.0.0.1:8000")
     dashboard.attach(state)
     now = dashboard.figures(now=100.0)
@@ -111,7 +124,7 @@ def test_async_engine_stats_fall_back_to_the_last_reply():
         return {}
 
     state = SimpleNamespace(engine=SimpleNamespace(stats=stats), metrics=ServerMetrics(dict),
-                            generation=SimpleNamespace(stream_one=None),
+                            generation=SimpleNamespace(observer=None),
                             last_stats={"num_running": 1, "kv_pages_used": 1, "kv_pages_total": 4})
     dashboard = Dashboard(io.StringIO(), "m", "http://h:1")
     dashboard.attach(state)

@@ -125,6 +125,10 @@ class Generation:
         self.frontend = frontend
         self.settings = settings
         self.metrics = metrics
+        # Told of each sequence's tokens as they stream and of how it ended (the live dashboard):
+        # an object with tokens_streamed(count) and sequence_ended(status, prompt_tokens,
+        # generated_tokens, ttft_s); None when nobody watches.
+        self.observer: Any = None
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -231,17 +235,23 @@ class Generation:
         arrival = last = time.monotonic()
         produced = 0
         finished = False
+        ttft = None
+        final = None
         try:
             async for output in self.engine.generate(request_id, list(prompt_ids), params):
                 if output.new_token_ids:
                     now = time.monotonic()
                     if produced == 0:
-                        self.metrics.time_to_first_token.observe(now - arrival)
+                        ttft = now - arrival
+                        self.metrics.time_to_first_token.observe(ttft)
                     else:
                         self.metrics.inter_token_latency.observe((now - last) / len(output.new_token_ids))
                     produced += len(output.new_token_ids)
                     last = now
+                    if self.observer is not None:
+                        self.observer.tokens_streamed(len(output.new_token_ids))
                 if output.finished:
+                    final = output
                     finished = True
                     self.metrics.prompt_tokens.inc(output.num_prompt_tokens)
                     self.metrics.e2e_latency.observe(time.monotonic() - arrival)
@@ -250,6 +260,10 @@ class Generation:
                     return
         finally:
             self.metrics.generation_tokens.inc(produced)
+            if self.observer is not None:
+                status = str(final.finish_reason) if final is not None else "aborted"
+                prompt_tokens = final.num_prompt_tokens if final is not None else len(prompt_ids)
+                self.observer.sequence_ended(status, prompt_tokens, produced, ttft)
             if not finished:
                 await _maybe_await(self.engine.abort(request_id))
 

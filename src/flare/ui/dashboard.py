@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from flare.ui.stages import is_terminal
 
@@ -93,8 +93,8 @@ class TokenRates:
 class SequenceRecorder:
     """Counts generated tokens as they stream and keeps the latest finished sequences.
 
-    It wraps `Generation.stream_one` (the one place every API's sequences pass through), so the dashboard
-    sees tokens live rather than only when a request ends."""
+    It observes `Generation` (the one place every API's sequences pass through; see its `observer`),
+    so the dashboard sees tokens live rather than only when a request ends."""
 
     def __init__(self, keep: int = RECENT_REQUESTS) -> None:
         self.generated_tokens = 0
@@ -103,29 +103,15 @@ class SequenceRecorder:
         self.recent: deque[FinishedSequence] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
-    def wrap(self, stream_one: Callable[..., Any]) -> Callable[..., Any]:
-        async def recorded(request_id, prompt_ids, params):
-            arrival, ttft, produced, last = time.monotonic(), None, 0, None
-            try:
-                async for output in stream_one(request_id, prompt_ids, params):
-                    count = len(output.new_token_ids)
-                    if count and ttft is None:
-                        ttft = time.monotonic() - arrival
-                    produced += count
-                    with self._lock:
-                        self.generated_tokens += count
-                    last = output
-                    yield output
-            finally:
-                finished = last is not None and last.finished
-                status = str(getattr(last.finish_reason, "value", last.finish_reason)) if finished else "aborted"
-                prompt = last.num_prompt_tokens if last is not None else len(prompt_ids)
-                with self._lock:
-                    self.finished += 1
-                    self.aborted += 0 if finished else 1
-                    self.recent.append(FinishedSequence(status, prompt, produced, ttft))
+    def tokens_streamed(self, count: int) -> None:
+        with self._lock:
+            self.generated_tokens += count
 
-        return recorded
+    def sequence_ended(self, status: str, prompt_tokens: int, generated_tokens: int, ttft_s: float | None) -> None:
+        with self._lock:
+            self.finished += 1
+            self.aborted += status == "aborted"
+            self.recent.append(FinishedSequence(status, prompt_tokens, generated_tokens, ttft_s))
 
     def snapshot(self) -> tuple[int, int, int, tuple[FinishedSequence, ...]]:
         """Generated tokens, finished and aborted sequences, and the latest finished ones."""
@@ -203,7 +189,7 @@ class Dashboard:
     def attach(self, state: Any) -> None:
         """Read from the app's ServingState, and record the sequences its Generation streams."""
         self._state = state
-        state.generation.stream_one = self.recorder.wrap(state.generation.stream_one)
+        state.generation.observer = self.recorder
 
     def engine_stats(self) -> Any:
         engine = getattr(self._state, "engine", None)
