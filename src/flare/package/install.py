@@ -36,13 +36,23 @@ def install_package(source: Path, cache: ModelCache, trust: TrustOptions | None 
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
-        for record in manifest["payloads"]:
-            staged = tree / record["name"]
-            staged.parent.mkdir(parents=True, exist_ok=True)
-            if cache.has_blob(record["sha256"]):
-                cache.link_blob(record["sha256"], staged)
-                continue
-            copy_payload(files, record, staged, "nothing was installed")
-            cache.store_payload(staged, record["sha256"])
+        stage_payloads(cache, files, manifest["payloads"], tree, "nothing was installed")
         fmt.write_primary(tree / fmt.PRIMARY_NAME, files.primary)
         return cache.publish(tree, entry, select=select)
+
+
+def stage_payloads(cache: ModelCache, files: fmt.PackageFiles, records: list[dict], tree: Path,
+                   consequence: str) -> None:
+    """Lay every payload of `records` out under `tree` by its name, as a hard link to its blob.
+
+    A payload the cache already holds is linked without reading it; any other is copied out of `files`
+    (checked against its signed size and SHA-256 on the way) and stored as a new blob. A mismatch raises
+    an IntegrityError ending with `consequence`."""
+    for record in records:
+        staged = tree / record["name"]
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        if cache.has_blob(record["sha256"]):
+            cache.link_blob(record["sha256"], staged)
+            continue
+        copy_payload(files, record, staged, consequence)
+        cache.store_payload(staged, record["sha256"])

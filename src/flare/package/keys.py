@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
 from pathlib import Path
 
 from flare.errors import UsageError
 from flare.package.export import write_signed_primary
 from flare.package.signing import (DEVELOPMENT_NAMESPACE, SigningIdentity, ask_passphrase, generate_private_key,
                                    load_private_key, private_key_pem, publishing_identity, write_owner_only)
+from flare.package.install import stage_payloads
 from flare.package.store import ModelCache
 
 PROFILE_NAME = "publisher.json"
@@ -87,17 +87,7 @@ def sign_package(target: str, config_path: Path | None = None, official_source: 
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
-        for record in old["payloads"]:
-            staged = tree / record["name"]
-            staged.parent.mkdir(parents=True, exist_ok=True)
-            location = package.files.locate(record["name"], record["size"])
-            if package.form == "directory" and cache.has_blob(record["sha256"]):
-                cache.link_blob(record["sha256"], staged)
-                continue
-            with open(location.path, "rb") as source, open(staged, "wb") as sink:
-                source.seek(location.offset)
-                shutil.copyfileobj(_Limited(source, record["size"]), sink)
-            cache.store_payload(staged, record["sha256"])
+        stage_payloads(cache, package.files, old["payloads"], tree, "nothing was signed")
 
         def sign_as(version: str) -> None:
             manifest = dict(old, version=version, repository=repo_id or old.get("repository"),
@@ -106,16 +96,3 @@ def sign_package(target: str, config_path: Path | None = None, official_source: 
             write_signed_primary(tree, manifest, identity)
 
         return cache.publish_new_version(tree, old["model_key"], sign_as)
-
-
-class _Limited:
-    """A file reader that stops after `remaining` bytes."""
-
-    def __init__(self, handle, remaining: int):
-        self.handle, self.remaining = handle, remaining
-
-    def read(self, size: int = -1) -> bytes:
-        size = self.remaining if size < 0 else min(size, self.remaining)
-        data = self.handle.read(size)
-        self.remaining -= len(data)
-        return data
