@@ -139,15 +139,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         groups = wt.group_by_payload(files)
         phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
                    f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}")
-    skip_reason = "CPU device: nothing to tune" if device == "cpu" else "no tunable kernels in this version"
-    with progress.phase("Tune kernels") as phase:
-        phase.skip(skip_reason)
-    with progress.phase("Compile forward") as phase:
-        phase.skip("CPU device: forwards run eagerly" if device == "cpu" else "forwards compile at load")
-    with progress.phase("Allocate KV cache") as phase:
-        phase.skip("pages are sized from free device memory when the package is served")
-    with progress.phase("Capture graphs") as phase:
-        phase.skip("CUDA graphs need a GPU" if device == "cpu" else "graphs are captured when serving starts")
+    prepared = _prepare_code(source.directory, plan, device, progress)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
     with progress.phase("Export package") as phase:
         counts = {"written": 0, "reused": 0, "bytes": 0}
@@ -168,12 +160,45 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
             sampling={"defaults": _sampling_defaults(recipe, source.directory), "ranges": recipe.sampling_ranges},
             license=_license(source), tensor_parallel=tensor_parallel,
             preparation={"device": device, "phases": progress.summary()},
-            graphs={"captured": [], "note": "decode graphs are captured when serving starts"})
+            graphs=_graph_catalog(prepared), compiled=prepared.artifacts if prepared else None)
         entry = export_entry(spec, cache, identity, options.weight_mode, reuse_from, ExportHooks(on_payload))
         phase.done(f"{counts['written']} payloads written, {counts['reused']} reused, "
                    f"{format_bytes(counts['bytes'])}; signed by {identity.namespace}")
     _write_initial_config(settings, recipe, plan)
     return entry
+
+
+def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: PhaseProgress):
+    """The tune, compile, allocate and capture phases: on a GPU, a warm-up of the compiled model whose
+    compiled kernels go into the package (flare.engine.compile_cache); on a CPU, nothing to prepare."""
+    with progress.phase("Tune kernels") as phase:
+        phase.skip("CPU device: nothing to tune" if device == "cpu" else "no tunable kernels in this version")
+    if device == "cpu":
+        for name, reason in (("Compile forward", "CPU device: forwards run eagerly"),
+                             ("Allocate KV cache", "pages are sized from free device memory when the package is served"),
+                             ("Capture graphs", "CUDA graphs need a GPU")):
+            with progress.phase(name) as phase:
+                phase.skip(reason)
+        return None
+    from flare.engine.compile_cache import prepare_compiled
+    with progress.phase("Compile forward") as phase:
+        prepared = prepare_compiled(checkpoint_dir, plan, device)
+        size = format_bytes(len(prepared.artifacts.data)) if prepared.artifacts else "nothing"
+        phase.done(f"decoder layers compiled and warmed up in {prepared.seconds:.1f} s; {size} of compiled "
+                   "kernels kept for serving")
+    with progress.phase("Allocate KV cache") as phase:
+        phase.skip("pages are sized from free device memory when the package is served")
+    with progress.phase("Capture graphs") as phase:
+        sizes = prepared.captured_sizes
+        phase.done(f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}); "
+                   "captured again when serving starts" if sizes else "no decode graphs on this backend")
+    return prepared
+
+
+def _graph_catalog(prepared) -> dict:
+    if prepared is None:
+        return {"captured": [], "note": "CUDA graphs need a GPU; decode runs eagerly"}
+    return {"captured": list(prepared.captured_sizes), "note": "decode graphs are captured when serving starts"}
 
 
 def _device(gpus: str | None) -> str:

@@ -42,6 +42,7 @@ class ExportSpec:
     preparation: dict = field(default_factory=dict)  # device and phase record
     graphs: dict = field(default_factory=dict)       # the captured graph catalog (empty on CPU)
     tensor_parallel: int = 1
+    compiled: "object | None" = None                 # flare.engine.compile_cache.CompiledArtifacts (GPU only)
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,8 @@ def export_entry(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity,
         ranks = []
         for rank in range(spec.tensor_parallel):
             name = f"deployments/{deployment}/rank-{rank}/graphs.safetensors"
-            catalog = json.dumps(spec.graphs, sort_keys=True)
-            payloads.append(_store(cache, tree, name, "module-global", [], hooks,
-                                   metadata={"flare.graph_catalog": catalog}))
+            tensors, metadata = _module_global(spec)
+            payloads.append(_store(cache, tree, name, "module-global", tensors, hooks, metadata=metadata))
             ranks.append({"rank": rank, "payloads": [name]})
         deployments = [{"name": deployment, "tensor_parallel": spec.tensor_parallel, "ranks": ranks}]
 
@@ -143,6 +143,16 @@ def _store(cache: ModelCache, tree: Path, name: str, kind: str, tensors, hooks: 
     if hooks.on_payload:
         hooks.on_payload(name, size, reused)
     return {"name": name, "kind": kind, "sha256": sha256, "size": size}
+
+
+def _module_global(spec: ExportSpec) -> tuple[list[st.TensorBytes], dict[str, str]]:
+    """A rank's module-global payload: the graph catalog, and the compiled kernels when prepared on a GPU."""
+    metadata = {fmt.GRAPH_CATALOG_METADATA: json.dumps(spec.graphs, sort_keys=True)}
+    if spec.compiled is None:
+        return [], metadata
+    metadata[fmt.COMPILE_KEY_METADATA] = json.dumps(spec.compiled.key, sort_keys=True)
+    data = spec.compiled.data
+    return [st.TensorBytes(fmt.COMPILED_ARTIFACTS_TENSOR, "U8", (len(data),), data)], metadata
 
 
 def _frontend_tensors(spec: ExportSpec) -> list[st.TensorBytes]:

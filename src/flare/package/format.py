@@ -25,6 +25,12 @@ from flare.package import safetensors_io as st
 FORMAT_VERSION = 2
 PRIMARY_NAME = "model.safetensors"
 FRONTEND_PAYLOAD = "frontend.safetensors"
+# A rank's module-global payload (deployments/<name>/rank-<n>/graphs.safetensors) holds the graph catalog
+# as metadata and, when prepared on a GPU, torch.compile's cache artifacts as one byte tensor with the
+# environment they were made in (flare.engine.compile_cache).
+GRAPH_CATALOG_METADATA = "flare.graph_catalog"
+COMPILE_KEY_METADATA = "flare.compile_key"
+COMPILED_ARTIFACTS_TENSOR = "torch_compile_artifacts"
 PACKED_PREFIX = "payload:"
 PADDING_PREFIX = "padding:"
 PACKED_ALIGNMENT = 64

@@ -74,6 +74,17 @@ class Package:
             location = self.files.locate(record["name"], record["size"])
             yield from wt.iter_tensors(location.path, location.offset, record["size"], f"payload {record['name']}")
 
+    def compiled_artifacts(self, rank: int = 0) -> tuple[bytes, dict] | None:
+        """The torch.compile artifacts prepared for `rank` of the first deployment and the environment key
+        they were made with, read hash-checked; None when the package was prepared without a GPU."""
+        deployment = self.manifest["deployments"][0]
+        name = next(r["payloads"][0] for r in deployment["ranks"] if r["rank"] == rank)
+        record = next(r for r in self.manifest["payloads"] if r["name"] == name)
+        tensors, metadata = _decode(verify.read_verified(self.files, record), name)
+        if fmt.COMPILED_ARTIFACTS_TENSOR not in tensors:
+            return None
+        return tensors[fmt.COMPILED_ARTIFACTS_TENSOR], json.loads(metadata.get(fmt.COMPILE_KEY_METADATA, "{}"))
+
     def frontend_dir(self) -> Path:
         """Materialise the frontend assets into a temporary directory (removed by `close`)."""
         if self._frontend_tmp is None:
@@ -148,7 +159,7 @@ def read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[s
                                      "the package is malformed and cannot be used")
             frontend.update(tensors)
         else:
-            catalogs[record["name"]] = json.loads(metadata.get("flare.graph_catalog", "{}"))
+            catalogs[record["name"]] = json.loads(metadata.get(fmt.GRAPH_CATALOG_METADATA, "{}"))
     return frontend, catalogs
 
 

@@ -77,6 +77,7 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
                                                 device, model.dtype, tuple(eos_token_ids_of(model.frontend_dir, None)),
                                                 progress))
     outcome: dict[str, Any] = {}
+    notes: list[str] = []                         # the engine's notes for the Prepare stage
 
     def start() -> None:
         try:
@@ -103,6 +104,8 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
                 stage.set_total(message[1] or None)
             elif message[0] == "advance":
                 stage.advance(message[1])
+            elif message[0] == "note":
+                notes.append(message[1])
             elif message[0] == "stage" and message[1] == until:
                 return
         if "error" in outcome:
@@ -113,7 +116,7 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
         stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}, in the engine process")
     with stages.stage(STAGE_PREPARE) as stage:
         follow(stage, STAGE_ALLOCATE)
-        stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
+        stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "; ".join(notes))
     with stages.stage(STAGE_ALLOCATE) as stage:
         starter.join()
         if "error" in outcome:

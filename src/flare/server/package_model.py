@@ -1,8 +1,9 @@
 """The model factory `flare run` hands the engine: runs in the engine-core process (spawned).
 
 It reopens the package the frontend already verified, builds the model on the meta-free device path,
-loads the weights from the memory-mapped payloads, and reports progress to the frontend's stage
-display over a multiprocessing queue: ("total", bytes), ("advance", bytes), ("stage", name).
+loads the weights from the memory-mapped payloads, puts the package's compiled kernels into the local
+compile caches on a GPU, and reports progress to the frontend's stage display over a multiprocessing
+queue: ("total", bytes), ("advance", bytes), ("stage", name), ("note", text).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
 
     model.load_hf_weights(counted())
     _report(progress, "stage", STAGE_PREPARE)
+    if str(device).startswith("cuda"):
+        from flare.engine.compile_cache import CompiledArtifacts, load_artifacts
+
+        stored = package.compiled_artifacts()
+        _report(progress, "note", load_artifacts(CompiledArtifacts(*stored) if stored else None))
     loaded = LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
                          device, dtype)
     _report(progress, "stage", STAGE_ALLOCATE)          # the engine allocates the KV cache next

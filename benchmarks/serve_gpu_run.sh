@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The whole product path on one machine, timed: write a random-weight benchmark checkpoint, `ignition
+# export` it, `flare run` the package (seconds to the first answered request), then drive the HTTP API
+# with benchmarks/serve_bench.py. Results (logs, JSON) under $OUT.
+#
+#   bash benchmarks/serve_gpu_run.sh SHAPE [PHASE...]
+#
+# SHAPE: llama-8b or qwen3-8b (shared/bench/make_random_checkpoint.py, copied to carry/bench), or
+# SHAPE:LAYERS for the same shape cut to LAYERS layers (a quick check of the path).
+# PHASES (default: serve1 serve16 serve64 serve256 long throughput restart):
+#   serveN      concurrency N, 1000 tokens in / 256 out (IN_LEN, OUT_LEN), 4N prompts (at least 8)
+#   long        8,000-token prompts, 1 token out: time to first token
+#   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
+#   restart     stop the server and start it again on the prepared package: warm start-up to first answer
+# Environment: PY (python, default python3), OUT, WORK (scratch, default /tmp/flare-work), PORT,
+# MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$PWD
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/flare-serve}
+WORK=${WORK:-/tmp/flare-work}
+PORT=${PORT:-8011}
+SHAPE=${1:?usage: serve_gpu_run.sh SHAPE [PHASE...]}
+shift
+PHASES=${*:-serve1 serve16 serve64 serve256 long throughput restart}
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH=$REPO/src PYTHONUNBUFFERED=1 HOME=$WORK/home
+mkdir -p "$HOME"
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+now() { date +%s.%N; }
+ignition() { "$PY" -c 'import sys; from flare.cli.ignition import main; sys.exit(main())' "$@"; }
+
+WHEELS=${WHEELS:-.whl}
+if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, zmq, msgspec, cryptography, tomlkit' 2>/dev/null; then
+  log "installing wheels from $WHEELS"
+  "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl 2>&1 | tail -2 \
+    || "$PY" -m pip install -q --no-index --no-deps --break-system-packages "$WHEELS"/*.whl 2>&1 | tail -2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
+"$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
+git -C "$REPO" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/device.txt"
+
+NAME=${SHAPE%%:*}
+CKPT=$WORK/ckpt-${SHAPE/:/-}
+if [ ! -f "$CKPT/config.json" ]; then
+  log "checkpoint $SHAPE"
+  "$PY" - "$CKPT" "$SHAPE" <<'PY'
+import sys
+sys.path.insert(0, "carry/bench")
+import make_random_checkpoint as m
+out, shape = sys.argv[1], sys.argv[2]
+name, _, layers = shape.partition(":")
+if layers:
+    m.SHAPES[name]["num_hidden_layers"] = int(layers)
+m.main(out, name)
+PY
+fi
+
+log "ignition export"
+started=$(now)
+ignition export "$CKPT" --max-concurrency "${MAX_CONCURRENCY:-256}" > "$WORK/entry" 2> "$OUT/export.log"
+rc=$?
+export_s=$(echo "$(now) - $started" | bc)
+tail -15 "$OUT/export.log"
+if [ $rc -ne 0 ]; then echo "export failed ($rc)"; exit 1; fi
+ENTRY=$(tail -1 "$WORK/entry")
+echo "export ${export_s}s -> $ENTRY"
+FINGERPRINT=$("$PY" -c 'import sys; from flare.package.signing import main; sys.exit(main(["--development-fingerprint"]))')
+
+SERVER_PID=
+start_server() {   # $1: log name; sets startup_s
+  local started
+  started=$(now)
+  "$PY" -c 'import sys; from flare.cli.flare import main; sys.exit(main())' run "$ENTRY" --port "$PORT" \
+    --dangerously-approve-key "$FINGERPRINT" --dangerously-accept-publisher local-development > "$OUT/$1.log" 2>&1 &
+  SERVER_PID=$!
+  startup_s=
+  for _ in $(seq 1 1200); do
+    if ! kill -0 $SERVER_PID 2>/dev/null; then echo "server exited"; tail -30 "$OUT/$1.log"; return 1; fi
+    if curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'content-type: application/json' \
+         -d '{"model":"'"$SERVED"'","prompt":"Hello","max_tokens":4}' -o "$OUT/$1.first.json" 2>/dev/null; then
+      startup_s=$(echo "$(now) - $started" | bc)
+      break
+    fi
+    sleep 0.25
+  done
+  grep -v '^\s*$' "$OUT/$1.log" | head -30
+  echo "startup to first answer: ${startup_s}s"
+}
+stop_server() {
+  [ -n "$SERVER_PID" ] && kill -TERM $SERVER_PID 2>/dev/null && wait $SERVER_PID 2>/dev/null
+  SERVER_PID=
+}
+trap stop_server EXIT
+
+SERVED=$("$PY" -c 'import json,sys
+from flare.package.reader import open_unverified
+print(open_unverified(sys.argv[1]).served_names[0])' "$ENTRY")
+log "flare run ($SERVED)"
+start_server serve || exit 1
+first_startup_s=$startup_s
+VOCAB=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]+"/config.json"))["vocab_size"])' "$CKPT")
+bench() {   # name, then serve_bench arguments
+  local name=$1; shift
+  log "$name"
+  timeout ${BENCH_TIMEOUT:-240} "$PY" benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model "$SERVED" \
+    --vocab-size "$VOCAB" --output "$OUT/$name.json" "$@" 2>&1 | tail -8
+}
+restart_s=
+for phase in $PHASES; do
+  case $phase in
+    serve*) n=${phase#serve}
+            bench "$phase" --input-len "${IN_LEN:-1000}" --output-len "${OUT_LEN:-256}" --concurrency "$n" ;;
+    long) bench long --input-len 8000 --output-len 1 --concurrency 1 --min-prompts 6 --warmup-requests 1 ;;
+    throughput) bench throughput --input-len 1000 --output-len 1000 --concurrency 256 --prompts-per-concurrency 1 \
+                  --min-prompts 256 --warmup-requests 0 ;;
+    restart) stop_server; log "flare run again"; start_server restart && restart_s=$startup_s ;;
+  esac
+done
+stop_server
+"$PY" - "$OUT" "$SHAPE" "$export_s" "$first_startup_s" "${restart_s:-null}" <<'PY'
+import json, pathlib, sys
+out, shape, export_s, first, restart = sys.argv[1:]
+summary = {"shape": shape, "export_s": float(export_s), "startup_to_first_answer_s": float(first or "nan"),
+           "restart_to_first_answer_s": None if restart == "null" else float(restart), "levels": {}}
+for path in sorted(pathlib.Path(out).glob("*.json")):
+    if path.name == "summary.json":
+        continue
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and "levels" in data:
+        summary["levels"][path.stem] = data["levels"]
+(pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
+print(json.dumps({k: v for k, v in summary.items() if k != "levels"}))
+PY

@@ -1,0 +1,112 @@
+"""Compiled code carried in the package, so `flare run` does not compile what preparation compiled.
+
+Preparation on a GPU compiles the decoder layers (flare.engine.compile), captures the decode graph
+catalog and runs one warm-up request through the engine, which compiles the prefill shapes too. It
+then saves torch.compile's cache artifacts (Inductor's compiled graphs with their generated Triton
+kernels and autotuning results) into the package. Serving loads them into the local compile caches
+before the layers are compiled, so torch.compile finds every graph cached: it still traces the layer
+(a second or two) but generates and builds no kernels. Graphs themselves hold device addresses and are
+captured again at every start.
+
+The artifacts fit only the software and GPU that made them; `environment_key` records those, and a
+package served elsewhere compiles as before, with a note that says why.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CompiledArtifacts:
+    data: bytes                                  # torch.compiler.save_cache_artifacts() bytes
+    key: dict                                    # environment_key() where they were made
+
+
+def environment_key(device_index: int = 0) -> dict:
+    """What compiled artifacts depend on: torch, Triton and CUDA versions and the GPU model."""
+    import torch
+    import triton
+
+    properties = torch.cuda.get_device_properties(device_index)
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "gpu": properties.name, "capability": f"{properties.major}.{properties.minor}"}
+
+
+def save_artifacts() -> CompiledArtifacts | None:
+    """Everything torch.compile compiled or loaded from cache in this process so far; None if nothing."""
+    import torch
+
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None or not saved[0]:
+        return None
+    return CompiledArtifacts(saved[0], environment_key())
+
+
+def load_artifacts(artifacts: CompiledArtifacts | None) -> str:
+    """Put the package's compiled artifacts into the local caches when they fit this machine; a note for
+    the loading stage either way."""
+    if artifacts is None:
+        return "no compiled kernels in the package: compiling"
+    here = environment_key()
+    differences = [f"{name} {artifacts.key.get(name)} (here {value})" for name, value in here.items()
+                   if artifacts.key.get(name) != value]
+    if differences:
+        return "compiled kernels were prepared with " + ", ".join(differences) + ": compiling"
+    import torch
+
+    torch.compiler.load_cache_artifacts(artifacts.data)
+    return f"compiled kernels from the package ({len(artifacts.data) / 2**20:.1f} MiB)"
+
+
+def warm_up(core, vocab_size: int, prompt_tokens: int) -> None:
+    """Run one greedy request of `prompt_tokens` random ids and two output tokens through `core`: it
+    compiles the prefill shapes (full chunks and a remainder) and replays a decode graph."""
+    from flare.engine.request import EngineRequest
+    from flare.engine.sampling_params import SamplingParams
+
+    prompt = tuple(3 + secrets.randbelow(max(1, vocab_size - 3)) for _ in range(prompt_tokens))
+    core.add_request(EngineRequest("flare-warm-up", prompt,
+                                   SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+    while core.has_unfinished():
+        core.step()
+
+
+@dataclass(frozen=True)
+class PreparedCode:
+    artifacts: CompiledArtifacts | None
+    captured_sizes: tuple[int, ...]              # the decode graph catalog the warm-up captured
+    seconds: float
+
+
+def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda") -> PreparedCode:
+    """Load the checkpoint onto the GPU, compile it, capture the plan's decode catalog, run a warm-up
+    request, and keep what torch.compile produced. Frees the GPU memory it used before returning."""
+    import gc
+    import time
+
+    import torch
+
+    from flare.engine.config import EngineConfig
+    from flare.engine.factory import build_core, load_checkpoint_model
+
+    started = time.perf_counter()
+    chunk = plan["prefill_chunk"]
+    prompt_tokens = chunk + chunk // 2 + 1               # a full chunk, then a remainder of another size
+    max_model_len = prompt_tokens + 2
+    config = EngineConfig(max_concurrency=plan["max_concurrency"], page_size=plan["page_size"],
+                          num_pages=-(-max_model_len // plan["page_size"]), prefill_chunk=chunk,
+                          max_num_batched_tokens=max(chunk, plan["max_concurrency"]),
+                          max_model_len=max_model_len, enable_prefix_caching=False)
+    loaded = load_checkpoint_model(checkpoint_dir, config, device, plan["dtype"])
+    core = build_core(loaded)
+    graphs = core.runner.graphs
+    sizes = graphs.sizes if graphs is not None else ()
+    warm_up(core, loaded.model_config.vocab_size, prompt_tokens)
+    torch.cuda.synchronize()
+    artifacts = save_artifacts()
+    del core, graphs, loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+    return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started)

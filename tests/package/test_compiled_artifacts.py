@@ -1,0 +1,81 @@
+"""Compiled kernels prepared on a GPU travel in the package's module-global payload and load only where
+they fit. The GPU preparation itself is replaced here by its result; the plumbing around it is real."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from flare import prepare
+from flare.engine import compile_cache
+from flare.engine.compile_cache import CompiledArtifacts, PreparedCode
+from flare.package.verify import IntegrityError
+from flare.package.reader import open_package, open_unverified
+
+KEY = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDIA H200", "capability": "9.0"}
+
+
+@pytest.fixture
+def gpu_prepared(monkeypatch):
+    """export_model as on a GPU whose warm-up produced `artifacts` and captured sizes 1, 2, 4."""
+    artifacts = CompiledArtifacts(bytes(range(256)) * 64, KEY)
+
+    def prepared(checkpoint_dir, plan, device, progress):
+        return PreparedCode(artifacts, (1, 2, 4), 1.5)
+
+    monkeypatch.setattr(prepare, "_prepare_code", prepared)
+    return artifacts
+
+
+def test_export_stores_the_compiled_artifacts_and_catalog(export, approved, gpu_prepared):
+    package = open_package(export(), approved)
+    data, key = package.compiled_artifacts()
+    assert data == gpu_prepared.data and key == KEY
+    assert list(package.graph_catalogs.values()) == [
+        {"captured": [1, 2, 4], "note": "decode graphs are captured when serving starts"}]
+
+
+def test_a_cpu_export_carries_no_compiled_artifacts(export, approved):
+    package = open_package(export(), approved)
+    assert package.compiled_artifacts() is None
+    assert list(package.graph_catalogs.values())[0]["captured"] == []
+
+
+def test_tampered_artifacts_are_refused(export, gpu_prepared):
+    entry = export()
+    payload = entry / "deployments/tp1/rank-0/graphs.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-1] ^= 0xFF
+    payload.unlink()                                      # a hard link to the blob: replace, do not edit
+    payload.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="graphs.safetensors is corrupt"):
+        open_unverified(entry).compiled_artifacts()
+
+
+def test_artifacts_load_only_where_they_were_made(monkeypatch):
+    loaded = []
+    monkeypatch.setattr(compile_cache, "environment_key", lambda: dict(KEY, gpu="NVIDIA H100 80GB HBM3"))
+    import torch
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    note = compile_cache.load_artifacts(CompiledArtifacts(b"x" * 1024, KEY))
+    assert loaded == []
+    assert "gpu NVIDIA H200 (here NVIDIA H100 80GB HBM3)" in note and note.endswith("compiling")
+
+    monkeypatch.setattr(compile_cache, "environment_key", lambda: dict(KEY))
+    note = compile_cache.load_artifacts(CompiledArtifacts(b"x" * 1024, KEY))
+    assert loaded == [b"x" * 1024] and note.startswith("compiled kernels from the package")
+    assert compile_cache.load_artifacts(None).endswith("compiling")
+
+
+def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatch):
+    """The phase lines come from the real _prepare_code when the warm-up is stood in for."""
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_cache, "prepare_compiled", lambda directory, plan, device: PreparedCode(
+        gpu_prepared, (1, 2, 4, 8), 12.0))
+    from flare.ui.progress import PhaseProgress
+    stream = io.StringIO()
+    prepared = prepare._prepare_code(None, {}, "cuda", PhaseProgress(stream=stream, styled=False))
+    text = stream.getvalue()
+    assert prepared.captured_sizes == (1, 2, 4, 8)
+    assert "warmed up in 12.0 s" in text and "4 decode batch sizes (1, 2, 4, 8)" in text
