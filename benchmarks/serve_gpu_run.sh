@@ -29,17 +29,20 @@ export PYTHONPATH=$REPO/src PYTHONUNBUFFERED=1 HOME=$WORK/home
 mkdir -p "$HOME"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 ignition() { "$PY" -c 'import sys; from flare.cli.ignition import main; sys.exit(main())' "$@"; }
 
 WHEELS=${WHEELS:-.whl}
-if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, zmq, msgspec, cryptography, tomlkit' 2>/dev/null; then
-  log "installing wheels from $WHEELS"
-  "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl 2>&1 | tail -2 \
-    || "$PY" -m pip install -q --no-index --no-deps --break-system-packages "$WHEELS"/*.whl 2>&1 | tail -2
+NEEDED="fastapi uvicorn rich cryptography tomlkit pyzmq msgspec prometheus-client nvidia-ml-py jinja2 filelock httpx"
+if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, rich, cryptography, tomlkit, zmq, msgspec, prometheus_client, pynvml, httpx' 2>/dev/null; then
+  log "installing what is missing from $WHEELS"
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" $NEEDED 2>&1 | tail -2
+  "$PY" -c 'import fastapi' 2>/dev/null || "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
+    --break-system-packages $NEEDED 2>&1 | tail -2
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
-git -C "$REPO" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/device.txt"
+echo "commit ${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"
 
 NAME=${SHAPE%%:*}
 CKPT=$WORK/ckpt-${SHAPE/:/-}
@@ -61,7 +64,7 @@ log "ignition export"
 started=$(now)
 ignition export "$CKPT" --max-concurrency "${MAX_CONCURRENCY:-256}" > "$WORK/entry" 2> "$OUT/export.log"
 rc=$?
-export_s=$(echo "$(now) - $started" | bc)
+export_s=$(elapsed "$started")
 tail -15 "$OUT/export.log"
 if [ $rc -ne 0 ]; then echo "export failed ($rc)"; exit 1; fi
 ENTRY=$(tail -1 "$WORK/entry")
@@ -80,7 +83,7 @@ start_server() {   # $1: log name; sets startup_s
     if ! kill -0 $SERVER_PID 2>/dev/null; then echo "server exited"; tail -30 "$OUT/$1.log"; return 1; fi
     if curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'content-type: application/json' \
          -d '{"model":"'"$SERVED"'","prompt":"Hello","max_tokens":4}' -o "$OUT/$1.first.json" 2>/dev/null; then
-      startup_s=$(echo "$(now) - $started" | bc)
+      startup_s=$(elapsed "$started")
       break
     fi
     sleep 0.25
