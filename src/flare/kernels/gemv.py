@@ -62,12 +62,17 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
         config = GemvConfig(block_n=32 // max(rows, 1), block_k=256, use_dot=False, num_warps=4, num_stages=3)
     else:
         config = GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=4)
-    tiles = triton.cdiv(n, config.block_n)
+    return GemvConfig(**{**config.__dict__, "split_k": choose_split_k(n, k, config.block_n)})
+
+
+def choose_split_k(n: int, k: int, block_n: int) -> int:
+    """Double the split until the grid reaches TARGET_PROGRAMS, keeping slices >= MIN_K_PER_SPLIT long."""
+    tiles = triton.cdiv(n, block_n)
     split_k = 1
     while (tiles * split_k < TARGET_PROGRAMS and split_k * 2 <= MAX_SPLIT_K
            and k // (split_k * 2) >= MIN_K_PER_SPLIT):
         split_k *= 2
-    return GemvConfig(**{**config.__dict__, "split_k": split_k})
+    return split_k
 
 
 @triton.jit
@@ -98,8 +103,11 @@ def _gemv_kernel(
 
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    # fma keeps one partial sum per weight element held and reduces over K once, after the loop.
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)     # one row: plain 2-D, no broadcast axis
     else:
         acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -113,10 +121,15 @@ def _gemv_kernel(
             x = tl.load(x_ptrs + k_offset, mask=k_mask[None, :], other=0.0)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+        elif BLOCK_M == 1:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc3 = _fma_block(w, x, acc3)
     if not USE_DOT:
-        acc = tl.sum(acc3, axis=2)
+        if BLOCK_M == 1:
+            acc = tl.sum(acc2, axis=1)[:, None]
+        else:
+            acc = tl.sum(acc3, axis=2)
 
     store_mask = (offs_n[:, None] < N) & (offs_m[None, :] < rows)
     if WRITE_PARTIAL:
