@@ -134,3 +134,20 @@ def test_switch_routes_decode_sized_linear_through_the_op(kernel_device, gemv_sw
 def test_switch_ignores_other_devices(gemv_switch):
     gemv_switch.enable(True)                       # cuda only
     assert not gemv_switch.routes_to_gemv(torch.randn(1, 8))
+
+
+def test_compiled_linear_calls_the_op_without_a_graph_break(kernel_device, gemv_switch, monkeypatch):
+    """torch.compile traces the custom op as one opaque call (fullgraph fails on any break)."""
+    from flare.models.layers import plain_linear
+
+    linear = plain_linear(64, 24, bias=True).to(kernel_device)
+    for param in (linear.weight, linear.bias):
+        param.data.normal_()
+    gemv_switch.enable(True, devices=(kernel_device,))
+    calls = counting_gemv(monkeypatch)
+    compiled = torch.compile(linear, backend="eager", fullgraph=True, dynamic=True)
+    for rows in (2, 5):
+        x = torch.randn(rows, 64, device=kernel_device)
+        expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        assert relative_error(compiled(x), expected) < 1e-5
+    assert [shape[0] for shape in calls] == [2, 5]

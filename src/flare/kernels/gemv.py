@@ -28,6 +28,7 @@ LMHead layers call the custom operator `torch.ops.flare.gemv`; it is off by defa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -217,7 +218,7 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 # -- the custom operator: one opaque call for torch.compile -----------------------------------------------
 
 @torch.library.custom_op("flare::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """gemv with default_config, chosen here from the concrete shapes (so compile sees no branching)."""
     return gemv(x, weight, bias)
 
