@@ -106,6 +106,8 @@ def relative_error(out, ref) -> float:
 
 
 def bench_shape(n: int, k: int, rows: int, l2_bytes: int) -> dict:
+    from dataclasses import asdict
+
     import torch
     import torch.nn.functional as F
 
@@ -127,7 +129,7 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int) -> dict:
               "cublas_us": cublas_us, "cublas_tbps": rate(cublas_us),
               "cublas_error": relative_error(F.linear(x, weights[0]), ref), "configs": []}
     for config in sweep_configs(rows, n, k):
-        entry = {"config": config.__dict__}
+        entry = {"config": asdict(config)}
         try:
             error = relative_error(gemv(x, weights[0], None, config), ref)
             entry["error"] = error

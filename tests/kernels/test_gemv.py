@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def check(rows, n, k, dtype, device, config, with_bias):
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_gemv_matches_reference(kernel_device, dtype, n, k, config, split_k):
     for rows in (1, 3, 8):
-        config_k = GemvConfig(**{**config.__dict__, "split_k": split_k})
+        config_k = replace(config, split_k=split_k)
         check(rows, n, k, dtype, kernel_device, config_k, with_bias=rows != 3)
 
 
@@ -58,7 +60,7 @@ def test_leading_dimensions_and_bias_split(kernel_device, config, split_k):
     x = torch.randn(2, 3, 64, device=kernel_device, dtype=torch.float16)
     weight = torch.randn(24, 64, device=kernel_device, dtype=torch.float16)
     bias = torch.randn(24, device=kernel_device, dtype=torch.float16)
-    out = gemv(x, weight, bias, GemvConfig(**{**config.__dict__, "split_k": split_k}))
+    out = gemv(x, weight, bias, replace(config, split_k=split_k))
     assert out.shape == (2, 3, 24)
     assert relative_error(out, gemv_reference(x.float(), weight.float(), bias.float())) < 2e-3
 
@@ -69,7 +71,7 @@ def test_leading_dimensions_and_bias_split(kernel_device, config, split_k):
 def test_bf16_on_gpu(rows, n, k):
     config = default_config(rows, n, k)
     check(rows, n, k, torch.bfloat16, "cuda", config, with_bias=False)
-    check(rows, n, k, torch.bfloat16, "cuda", GemvConfig(**{**config.__dict__, "use_dot": not config.use_dot}),
+    check(rows, n, k, torch.bfloat16, "cuda", replace(config, use_dot=not config.use_dot),
           with_bias=True)
 
 

@@ -27,7 +27,7 @@ LMHead layers call the custom operator `torch.ops.flare.gemv`; it is off by defa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -63,7 +63,7 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
         config = GemvConfig(block_n=32 // max(rows, 1), block_k=256, use_dot=False, num_warps=4, num_stages=3)
     else:
         config = GemvConfig(block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=4)
-    return GemvConfig(**{**config.__dict__, "split_k": choose_split_k(n, k, config.block_n)})
+    return replace(config, split_k=choose_split_k(n, k, config.block_n))
 
 
 def choose_split_k(n: int, k: int, block_n: int) -> int:
