@@ -104,7 +104,7 @@ def _gemv_kernel(
 
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # fma keeps one partial sum per weight element held and reduces over K once, after the loop.
+    # fma keeps a partial sum per element of the weight tile and reduces over K once, after the loop.
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif BLOCK_M == 1:
