@@ -90,8 +90,9 @@ def test_default_config_splits_k_only_when_the_grid_is_small():
 
 @pytest.fixture
 def gemv_switch():
-    yield gemv_module
-    gemv_module.enable(False)
+    from flare.kernels import routing
+    yield routing
+    routing.enable(False)
 
 
 def counting_gemv(monkeypatch):

@@ -21,8 +21,8 @@ Shapes:
     bias    [N] or None
     out     [..., N]  x's dtype
 
-The module-level switch (`enable`, `enabled`, `routes_to_gemv`) decides whether the model's Linear and
-LMHead layers call the custom operator `torch.ops.flare.gemv`; it is off by default.
+flare.kernels.routing decides whether the model's Linear and LMHead layers call the custom operator
+`torch.ops.flare.gemv`; it is off by default.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16
+from flare.kernels.routing import MAX_ROWS
+
 TARGET_PROGRAMS = 264          # about two waves of programs on a 132-SM GPU
 MIN_K_PER_SPLIT = 1024         # a shorter slice of K costs more in partials and launch than it hides
 MAX_SPLIT_K = 16
@@ -228,25 +229,3 @@ def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
 @gemv_op.register_fake
 def _gemv_shape(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-# -- the switch the model's layers consult ----------------------------------------------------------------
-
-_routed_devices: frozenset[str] = frozenset()
-
-
-def enable(on: bool = True, devices: tuple[str, ...] = ("cuda",)) -> None:
-    """Route small-row Linear/LMHead products on `devices` through gemv (off: F.linear everywhere).
-
-    `devices` other than cuda only make sense under Triton's interpreter (tests)."""
-    global _routed_devices
-    _routed_devices = frozenset(devices) if on else frozenset()
-
-
-def enabled() -> bool:
-    return bool(_routed_devices)
-
-
-def routes_to_gemv(x: torch.Tensor) -> bool:
-    """Whether a layer should call gemv_op for input x: switched on, on a routed device, few rows."""
-    return x.device.type in _routed_devices and x.numel() <= MAX_ROWS * x.shape[-1]
