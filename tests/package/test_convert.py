@@ -30,9 +30,10 @@ def test_packed_and_directory_round_trip_and_load(export, approved, tmp_path):
         package = open_package(target, _full(approved))
         assert package.files.primary.manifest_body == original.files.primary.manifest_body
         assert package.files.primary.signature == original.files.primary.signature
-        weights = dict(package.iter_weights())
-        assert sorted(weights) == sorted(reference)
-        assert all(torch.equal(weights[name], reference[name]) for name in reference)
+        for pinned in (False, True):              # mapped, and read into staging buffers as for a GPU
+            weights = {name: tensor.clone() for name, tensor in package.iter_weights(pinned=pinned)}
+            assert sorted(weights) == sorted(reference)
+            assert all(torch.equal(weights[name], reference[name]) for name in reference)
         assert package.frontend_assets == original.frontend_assets
     assert open_package(packed, approved).form == "packed"
     for record in original.payloads:

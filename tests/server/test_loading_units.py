@@ -163,3 +163,26 @@ def test_bad_scheduler_flags_are_usage_errors_naming_the_flag(tmp_path, flag, va
                           env=cli_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert flag in done.stderr
+
+
+def test_memory_mode_leaves_room_for_graphs_scratch_and_live_state(stories260k, monkeypatch):
+    """On a GPU, pages get what is free after the weights, the step's activations and logits, every
+    request's live state and the headroom: sizing pages from weights alone ran a GPU out of memory."""
+    import json
+
+    from flare import memory
+    from flare.recipes.base import graph_and_scratch_bytes, live_state_bytes_per_request
+    from flare.server import kv_sizing
+
+    hf_config = json.loads((stories260k / "config.json").read_text())
+    model = _model(hf_config=hf_config)
+    free = 8 * 1024 ** 3
+    monkeypatch.setattr(kv_sizing, "read_device_memory",
+                        lambda: [memory.DeviceMemory(0, "test GPU", free=free, total=free)])
+    pool = serving_kv_pool(model, 8, "memory", None, 0)
+    step_tokens = kv_sizing.step_token_budget(model.prefill_chunk, 8)
+    before_pages = (model.weight_bytes + graph_and_scratch_bytes(hf_config, 8, step_tokens - 8)
+                    + 8 * live_state_bytes_per_request(hf_config, model.page_size, model.max_model_len)
+                    + memory.engine_headroom("serving"))
+    assert pool.limited_by == "memory"
+    assert before_pages + pool.bytes <= free < before_pages + pool.bytes + 2 * pool.bytes // pool.tokens * 16

@@ -52,7 +52,9 @@ class CausalLM(nn.Module):
             if IGNORED_TENSORS.match(name):
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
-                separate_head = tensor  # tied embeddings: decided once the embedding is loaded
+                # Tied embeddings: decided once the embedding is loaded. A copy, because weight sources may
+                # reuse their buffers for later tensors (flare.package.weights.iter_tensors_pinned).
+                separate_head = tensor.clone()
                 continue
             param_name, shard = parameter_for(name)
             if name not in expected or param_name not in params:

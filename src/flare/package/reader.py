@@ -68,11 +68,18 @@ class Package:
     def weight_payloads(self) -> list[dict]:
         return [record for record in self.manifest["payloads"] if record["kind"] == "weights"]
 
-    def iter_weights(self) -> Iterator[tuple[str, object]]:
-        """Every weight under its checkpoint name, as a CPU tensor mapped from the payload file."""
+    def iter_weights(self, pinned: bool = False) -> Iterator[tuple[str, object]]:
+        """Every weight under its checkpoint name, as a CPU tensor mapped from the payload file; with
+        `pinned`, read into page-locked buffers instead (for a GPU: see `weights.iter_tensors_pinned`)."""
+        locations = []
         for record in self.weight_payloads():
             location = self.files.locate(record["name"], record["size"])
-            yield from wt.iter_tensors(location.path, location.offset, record["size"], f"payload {record['name']}")
+            locations.append((location.path, location.offset, record["size"], f"payload {record['name']}"))
+        if pinned:
+            yield from wt.iter_tensors_pinned(locations)
+            return
+        for location in locations:
+            yield from wt.iter_tensors(*location)
 
     def compiled_artifacts(self, rank: int = 0) -> tuple[bytes, dict] | None:
         """The torch.compile artifacts prepared for `rank` of the first deployment and the environment key

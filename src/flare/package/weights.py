@@ -117,19 +117,65 @@ def iter_tensors(path: Path, offset: int, size: int, what: str) -> Iterator[tupl
     import mmap
     import torch
     with open(path, "rb") as handle:
-        header = st.read_header(handle, offset, size, what=what)
-        if header.total_size > size:
-            raise PreparationError(f"{what} is truncated: its header describes {header.total_size} bytes, "
-                                   f"the manifest {size}")
+        header = _checked_header(handle, offset, size, what)
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    view = memoryview(mapped)
+    if offset + size > len(mapped):
+        raise PreparationError(f"{what} is truncated: the file ends before the manifest's {size} bytes")
+    yield from _tensor_views(torch.frombuffer(memoryview(mapped), dtype=torch.uint8)[offset:offset + size],
+                             header, what)
+
+
+def iter_tensors_pinned(payloads: list[tuple[Path, int, int, str]]) -> Iterator[tuple[str, object]]:
+    """Tensors of several payloads ((path, offset, size, what) each), read whole into page-locked memory.
+
+    For loading onto a GPU: large sequential reads instead of page faults on a mapping, and copies to the
+    device at full speed. While one payload's tensors are consumed, a thread reads the next one into a
+    second buffer; a consumer must be done with each tensor (e.g. copied it synchronously) before it asks
+    for the next payload's.
+    """
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+    if not payloads:
+        return
+    largest = max(size for _, _, size, _ in payloads)
+    pin = torch.cuda.is_available()              # (without CUDA the same reads, into ordinary memory)
+    buffers = [torch.empty(largest, dtype=torch.uint8, pin_memory=pin) for _ in range(min(2, len(payloads)))]
+
+    def read(index: int):
+        path, offset, size, what = payloads[index]
+        buffer = buffers[index % len(buffers)][:size]
+        with open(path, "rb") as handle:
+            header = _checked_header(handle, offset, size, what)
+            handle.seek(offset)
+            if handle.readinto(memoryview(buffer.numpy())) != size:
+                raise PreparationError(f"{what} is truncated: the file ends before the manifest's {size} bytes")
+        return buffer, header, what
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-weights") as reader:
+        pending = reader.submit(read, 0)
+        for index in range(len(payloads)):
+            buffer, header, what = pending.result()
+            if index + 1 < len(payloads):
+                pending = reader.submit(read, index + 1)     # its buffer's tensors were consumed already
+            yield from _tensor_views(buffer, header, what)
+
+
+def _checked_header(handle, offset: int, size: int, what: str):
+    header = st.read_header(handle, offset, size, what=what)
+    if header.total_size > size:
+        raise PreparationError(f"{what} is truncated: its header describes {header.total_size} bytes, "
+                               f"the manifest {size}")
+    return header
+
+
+def _tensor_views(payload, header, what: str) -> Iterator[tuple[str, object]]:
+    """(name, tensor) for each tensor in `header`, viewing the payload's bytes (a uint8 tensor)."""
+    import torch
     for entry in header.tensors:
         dtype = getattr(torch, _CODE_TO_TORCH[entry.dtype])
-        start, end = offset + entry.start, offset + entry.end
-        if end > len(view):
+        if entry.end > payload.numel():
             raise PreparationError(f"{what} is truncated at tensor {entry.name}")
-        if start == end:
+        if entry.start == entry.end:
             yield entry.name, torch.empty(entry.shape, dtype=dtype)
             continue
-        flat = torch.frombuffer(view[start:end], dtype=torch.uint8)
-        yield entry.name, flat.view(dtype).reshape(entry.shape)
+        yield entry.name, payload[entry.start:entry.end].view(dtype).reshape(entry.shape)

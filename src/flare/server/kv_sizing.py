@@ -5,8 +5,9 @@ engine_config_for_pool` turns them into the engine's settings. This module only 
 served model brings: device memory, the reserve or `--memory-limit`, bytes per cached token (the recipes'
 `kv_bytes_per_token`), and the prepared context and concurrency.
 
-`--kv-cache-limit memory` (the default) gives KV pages what the GPU has free after the weights, the driver
-margin and the reserve (or within `--memory-limit`); `context` and `concurrency` cap the pool at one
+`--kv-cache-limit memory` (the default) gives KV pages what the GPU has free after the weights, graphs and
+scratch for the step's token budget, per-request live state, the engine's headroom and the reserve (or
+within `--memory-limit`); `context` and `concurrency` cap the pool at one
 prepared context, or one per active request. Without a GPU the sizing runs against host memory, where
 filling RAM with pages would help nobody: there the pool stops at one context per active request.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from flare.memory import (KV_CACHE_LIMITS, FixedCosts, KVGeometry, KVPool, engine_headroom, memory_budget,
                           parse_kv_cache_limit, parse_memory_limit, read_device_memory, size_kv_pool)
-from flare.recipes.base import kv_bytes_per_token
+from flare.recipes.base import graph_and_scratch_bytes, kv_bytes_per_token, live_state_bytes_per_request
 from flare.server.served_model import ServedModel
 
 __all__ = ["KV_CACHE_LIMITS", "KVPool", "serving_engine_config", "serving_kv_pool", "step_token_budget"]
@@ -30,7 +31,12 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
     device = read_device_memory()[0]
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     budget = memory_budget(device, engine_headroom("serving"), limit, reserve)
-    fixed = FixedCosts(weights=model.weight_bytes, graphs=0, live_state=0, prefix_cache_floor=0)
+    step_tokens = step_token_budget(model.prefill_chunk, concurrency)
+    fixed = FixedCosts(weights=model.weight_bytes,
+                       graphs=graph_and_scratch_bytes(model.hf_config, concurrency, step_tokens - concurrency),
+                       live_state=concurrency * live_state_bytes_per_request(model.hf_config, model.page_size,
+                                                                             model.max_model_len),
+                       prefix_cache_floor=0)
     geometry = KVGeometry(page_size=model.page_size,
                           bytes_per_token=kv_bytes_per_token(model.hf_config, _DTYPE_BYTES.get(model.dtype, 4)),
                           max_context=model.max_model_len, max_concurrency=concurrency)

@@ -8,6 +8,7 @@ queue: ("total", bytes), ("advance", bytes), ("stage", name), ("note", text).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,13 @@ def _report(progress: Any, *message: Any) -> None:
         progress.put(message)
 
 
+def _load_compiled_artifacts(package) -> str:
+    from flare.engine.compile_cache import CompiledArtifacts, load_artifacts
+
+    stored = package.compiled_artifacts()
+    return load_artifacts(CompiledArtifacts(*stored) if stored else None)
+
+
 def load_package_model(package_path: str, engine_config: Any, device: str, dtype: str,
                        extra_eos_token_ids: tuple[int, ...] = (), progress: Any = None):
     """A `LoadedModel` for the package at `package_path` (already verified by the caller)."""
@@ -30,22 +38,23 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     from flare.package.reader import open_unverified
 
     package = open_unverified(Path(package_path))
-    _report(progress, "total", sum(r["size"] for r in package.weight_payloads()))
-    cfg = ModelConfig.from_hf_config(package.hf_config)
-    model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device, cfg.head_dim))
+    on_cuda = str(device).startswith("cuda")
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-compiled") as background:
+        # Putting the compiled kernels into the local caches imports the compiler (seconds): done meanwhile.
+        compiled_note = background.submit(_load_compiled_artifacts, package) if on_cuda else None
+        _report(progress, "total", sum(r["size"] for r in package.weight_payloads()))
+        cfg = ModelConfig.from_hf_config(package.hf_config)
+        model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device, cfg.head_dim))
 
-    def counted():
-        for name, tensor in package.iter_weights():
-            _report(progress, "advance", tensor.numel() * tensor.element_size())
-            yield name, tensor
+        def counted():
+            for name, tensor in package.iter_weights(pinned=on_cuda):
+                _report(progress, "advance", tensor.numel() * tensor.element_size())
+                yield name, tensor
 
-    model.load_hf_weights(counted())
-    _report(progress, "stage", STAGE_PREPARE)
-    if str(device).startswith("cuda"):
-        from flare.engine.compile_cache import CompiledArtifacts, load_artifacts
-
-        stored = package.compiled_artifacts()
-        _report(progress, "note", load_artifacts(CompiledArtifacts(*stored) if stored else None))
+        model.load_hf_weights(counted())
+        _report(progress, "stage", STAGE_PREPARE)
+        if compiled_note is not None:
+            _report(progress, "note", compiled_note.result())
     loaded = LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
                          device, dtype)
     _report(progress, "stage", STAGE_ALLOCATE)          # the engine allocates the KV cache next
