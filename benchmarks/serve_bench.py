@@ -82,12 +82,14 @@ async def one_request(client, url: str, payload: dict) -> RequestResult:
                 result.error = f"HTTP {response.status_code}: {body[:300]}"
                 return result
             chunks = 0
+            last_event = ""
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
                 if data == "[DONE]":
                     break
+                last_event = data
                 event = json.loads(data)
                 usage = event.get("usage")
                 if usage and usage.get("completion_tokens"):
@@ -106,7 +108,7 @@ async def one_request(client, url: str, payload: dict) -> RequestResult:
             result.output_tokens = result.output_tokens or chunks
             result.ok = chunks > 0
             if not result.ok:
-                result.error = "no tokens streamed"
+                result.error = f"no tokens streamed; last event: {last_event[:300]}"
     except Exception as error:                                  # a benchmark reports, never crashes
         result.error = f"{type(error).__name__}: {error}"
     return result

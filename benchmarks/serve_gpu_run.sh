@@ -109,6 +109,8 @@ bench() {   # name, then serve_bench arguments
   log "$name"
   timeout ${BENCH_TIMEOUT:-240} "$PY" benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model "$SERVED" \
     --vocab-size "$VOCAB" --output "$OUT/$name.json" "$@" 2>&1 | tail -8
+  "$PY" -c 'import json, sys; [print("errors:", level["errors"]) for level in json.load(open(sys.argv[1]))["levels"]
+            if level.get("errors")]' "$OUT/$name.json" 2>/dev/null | cut -c1-600
 }
 restart_s=
 for phase in $PHASES; do
