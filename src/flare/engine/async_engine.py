@@ -12,6 +12,7 @@ import asyncio
 import multiprocessing
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -191,6 +192,10 @@ class AsyncEngine:
                 self._fail(message[1], InvalidRequest(message[2]))
             elif message[0] == "fatal":
                 self._dead = f"the engine core failed:\n{message[1]}"
+        if not self._closed and self._dead != "the engine was shut down":
+            # Every request fails from here on; the operator needs the reason in the server's log, not
+            # only in the error bodies clients receive.
+            print(f"flare: {self._dead}", file=sys.stderr, flush=True)
         self._fail_all(EngineDeadError(self._dead))
 
     def _deliver(self, core_outputs) -> None:
