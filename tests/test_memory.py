@@ -122,7 +122,7 @@ def test_without_a_gpu_memory_is_sized_against_the_host(monkeypatch, tmp_path):
 def test_engine_headroom():
     assert engine_headroom("preparation", prefill_tokens=4096) == GiB
     assert engine_headroom("preparation", prefill_tokens=8192) == GiB + 4096 * 128 * 1024
-    assert engine_headroom("serving") == 512 * MiB
+    assert engine_headroom("serving") == 2 * GiB
 
 
 DEVICE = DeviceMemory(index=0, name="test gpu", free=60 * GiB, total=80 * GiB)

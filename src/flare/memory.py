@@ -25,7 +25,9 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 PREPARATION_HEADROOM = 1 * GiB            # compiled warm-up and graph capture
 HEADROOM_PER_PREFILL_TOKEN = 128 * KiB    # activations of each prefill token beyond the first 4,096
 HEADROOM_FREE_PREFILL_TOKENS = 4096
-SERVING_HEADROOM = 512 * MiB              # allocator fragmentation and what the driver takes after graph upload
+# Serving: the CUDA context (0.74 GiB measured on an H200 with CUDA 13), allocator fragmentation and
+# workspaces, beyond the graphs-and-scratch estimate; with 1.1 GiB less, prefill ran an H200 out of memory.
+SERVING_HEADROOM = 2 * GiB
 MEMORY_MODE_MIN_TOKENS_PER_REQUEST = 8192
 
 KV_CACHE_LIMITS = ("memory", "context", "concurrency")
@@ -259,7 +261,7 @@ def _visible_handles(pynvml) -> list:
 def engine_headroom(phase: Literal["preparation", "serving"], prefill_tokens: int = 0) -> int:
     """Memory Flare keeps free for itself: preparation needs room for compiled warm-up and capture
     (1 GiB, plus 128 KiB per effective prefill token above 4,096); serving, whose graphs and scratch are
-    costed separately, 512 MiB for allocator fragmentation and the driver."""
+    costed separately, 2 GiB for the CUDA context, allocator fragmentation and workspaces."""
     if phase == "serving":
         return SERVING_HEADROOM
     extra_tokens = max(0, prefill_tokens - HEADROOM_FREE_PREFILL_TOKENS)
