@@ -215,6 +215,7 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: Recip
     """The GPUs to prepare on (none on the CPU), refusing before any weight loads a model whose
     estimate does not fit them: the section-6 capacity error."""
     from dataclasses import replace
+    from flare.engine.config import step_token_budget
     from flare.estimate import MemoryEstimate, check_estimate, choose_gpus
     from flare.memory import check_gpu_selection, engine_headroom, memory_budget, parse_gpus, read_device_memory
     from flare.memory import read_host_memory
@@ -223,14 +224,17 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: Recip
                                     snapshot_bytes)
     estimate = MemoryEstimate(
         weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan["dtype"]),
-        graphs_bytes=graph_and_scratch_bytes(hf_config, plan["max_concurrency"], plan["prefill_chunk"]),
+        # What serving will set aside beside the pages, so that a package that prepares also serves here.
+        graphs_bytes=graph_and_scratch_bytes(hf_config, plan["max_concurrency"],
+                                             step_token_budget(plan["prefill_chunk"], plan["max_concurrency"])
+                                             - plan["max_concurrency"]),
         live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan["page_size"],
                                                                   plan["max_model_len"]),
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
         kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan["dtype"]]),
         max_concurrency=plan["max_concurrency"])
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
-    headroom = engine_headroom("preparation", plan["prefill_chunk"])
+    headroom = max(engine_headroom("preparation", plan["prefill_chunk"]), engine_headroom("serving"))
     budgets = [memory_budget(d, headroom, reserve=plan["memory_reserve_bytes"]) for d in devices]
     sizes = recipe.tensor_parallel_sizes
     if device == "cpu":

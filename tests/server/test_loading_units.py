@@ -186,3 +186,36 @@ def test_memory_mode_leaves_room_for_graphs_scratch_and_live_state(stories260k, 
                     + memory.engine_headroom("serving"))
     assert pool.limited_by == "memory"
     assert before_pages + pool.bytes <= free < before_pages + pool.bytes + 2 * pool.bytes // pool.tokens * 16
+
+
+def test_the_concurrency_export_accepts_also_serves_on_that_gpu(stories260k, monkeypatch):
+    """Export refuses what serving would refuse on the same free memory: both count the same graphs,
+    scratch, live state, pages and headroom (a package prepared at 122 once could not start)."""
+    import json
+
+    from flare import memory, prepare
+    from flare.errors import CapacityError
+    from flare.package import weights as wt
+    from flare.server import kv_sizing
+
+    hf_config = json.loads((stories260k / "config.json").read_text())
+    gpu = [memory.DeviceMemory(0, "test GPU", free=2 * 1024 ** 3 + 700 * 1024 ** 2, total=4 * 1024 ** 3)]
+    monkeypatch.setattr(memory, "read_device_memory", lambda: gpu)
+    monkeypatch.setattr(kv_sizing, "read_device_memory", lambda: gpu)
+    recipe = prepare.RecipeFacts(name="llama", model_id="stories260k", max_concurrency=256)
+    weight_bytes = wt.serving_bytes(wt.checkpoint_tensor_files(stories260k), "float32")
+
+    def exports(concurrency: int) -> bool:
+        plan = {"dtype": "float32", "page_size": 16, "prefill_chunk": 256, "max_concurrency": concurrency,
+                "max_model_len": hf_config["max_position_embeddings"], "memory_reserve_bytes": 0}
+        try:
+            prepare._fit_memory(stories260k, hf_config, plan, recipe, None, "cuda")
+        except CapacityError:
+            return False
+        return True
+
+    accepted = [concurrency for concurrency in range(1, 257) if exports(concurrency)]
+    assert 1 < len(accepted) < 256 and accepted == list(range(1, len(accepted) + 1))
+    served = _model(hf_config=hf_config, weight_bytes=weight_bytes, prefill_chunk=256, prepared_concurrency=256,
+                    max_model_len=hf_config["max_position_embeddings"])
+    assert serving_kv_pool(served, accepted[-1], "memory", None, 0).limited_by == "memory"

@@ -84,3 +84,11 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                         enable_prefix_caching=enable_prefix_caching,
                         scheduler_policy=scheduler_policy or SchedulerPolicy(),
                         prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by)
+
+
+def step_token_budget(prefill_chunk: int, concurrency: int) -> int:
+    """Tokens one engine step may carry: room for two prefill chunks beside a full decode batch.
+
+    `balanced` still carries at most one chunk of prompt work while anyone decodes; the room above it is
+    what `throughput` may fill, so the two policies differ."""
+    return 2 * prefill_chunk + concurrency

@@ -14,6 +14,7 @@ filling RAM with pages would help nobody: there the pool stops at one context pe
 
 from __future__ import annotations
 
+from flare.engine.config import step_token_budget
 from flare.memory import (KV_CACHE_LIMITS, FixedCosts, KVGeometry, KVPool, engine_headroom, memory_budget,
                           parse_kv_cache_limit, parse_memory_limit, read_device_memory, size_kv_pool)
 from flare.recipes.base import graph_and_scratch_bytes, kv_bytes_per_token, live_state_bytes_per_request
@@ -43,14 +44,6 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
     if device.host and limit_mode == "memory":
         limit_mode = "concurrency"
     return size_kv_pool(budget, fixed, geometry, limit_mode)
-
-
-def step_token_budget(prefill_chunk: int, concurrency: int) -> int:
-    """Tokens one engine step may carry: room for two prefill chunks beside a full decode batch.
-
-    `balanced` still carries at most one chunk of prompt work while anyone decodes; the room above it is
-    what `throughput` may fill, so the two policies differ."""
-    return 2 * prefill_chunk + concurrency
 
 
 def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, scheduler_policy=None):
