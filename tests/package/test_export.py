@@ -179,3 +179,21 @@ def test_a_model_that_cannot_fit_fails_before_loading_weights(export, cache_root
         export()
     assert not (cache_root / "staging").exists() or list((cache_root / "staging").iterdir()) == []
     assert ModelCache(cache_root).entries() == []
+
+
+def test_a_full_disk_is_a_preparation_error_and_publishes_nothing(export, cache_root, monkeypatch):
+    import errno as errno_codes
+
+    real_write, written = st.write, []
+
+    def write_until_full(path, tensors, metadata=None):
+        if written:
+            raise OSError(errno_codes.ENOSPC, "No space left on device")
+        written.append(path)
+        return real_write(path, tensors, metadata)
+
+    monkeypatch.setattr(st, "write", write_until_full)
+    with pytest.raises(PreparationError, match=r"model cache .* is full \(no space left on device.*flare models gc"):
+        export()
+    assert not (cache_root / "refs" / "stories260k").exists()
+    assert not (cache_root / "models" / "stories260k").exists() or not any((cache_root / "models" / "stories260k").iterdir())

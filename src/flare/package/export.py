@@ -8,6 +8,7 @@ one rename, so a failure at any point publishes nothing.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,20 @@ def export_entry(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity,
     if weight_mode not in WEIGHT_MODES:
         raise UsageError(f"unknown weight mode {weight_mode!r}")
     model_key = model_key_for(spec.model_id)
+    try:
+        return _export_staged(spec, cache, identity, model_key, weight_mode, reuse_from, hooks, select)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise PreparationError(
+            f"the disk holding the model cache {cache.root} is full ({error.strerror.lower()} while writing "
+            f"{error.filename or 'a payload'}); nothing was published. `flare models gc` removes what this and "
+            "earlier unfinished exports left behind; then free space there or set [paths] package_cache to a "
+            "larger disk") from None
+
+
+def _export_staged(spec: ExportSpec, cache: ModelCache, identity: SigningIdentity, model_key: str,
+                   weight_mode: str, reuse_from, hooks: ExportHooks, select: bool) -> Path:
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
