@@ -131,3 +131,26 @@ def test_a_core_that_dies_is_reported_as_dead(stories260k, tokenizer):
             asyncio.run(collect(engine, "after-death", tokenizer.encode("Lily"), SamplingParams(max_tokens=2)))
     finally:
         engine.shutdown()
+
+
+def test_the_tokenizer_may_finish_loading_while_the_core_starts(stories260k):
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    factory = ModelFactory(load_checkpoint_model, (str(stories260k),), {"engine_config": CONFIG})
+    with ThreadPoolExecutor(max_workers=1) as loader:
+        engine = AsyncEngine(factory, loader.submit(load_tokenizer, stories260k), seed=0)
+    try:
+        outputs = asyncio.run(collect(engine, "late-tokenizer", engine.tokenizer.encode("Lily"),
+                                      SamplingParams(temperature=0, max_tokens=4)))
+        assert outputs[-1].finished and outputs[-1].num_output_tokens == 4
+        assert "".join(output.new_text for output in outputs)
+    finally:
+        engine.shutdown()
+
+    running = set(multiprocessing.active_children())         # the module's engine may be among them
+    broken = ThreadPoolExecutor(max_workers=1).submit(lambda: (_ for _ in ()).throw(ValueError("tokenizer.json is corrupt")))
+    with pytest.raises(ValueError, match="corrupt"):
+        AsyncEngine(factory, broken)
+    assert not [child for child in set(multiprocessing.active_children()) - running
+                if child.name == "flare-engine-core"]

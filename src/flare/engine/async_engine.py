@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,17 +42,20 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, factory, tokenizer: Tokenizer, seed: int | None = None, startup_timeout_s: float = 600) -> None:
-        """Start the engine-core process and wait until its model is loaded (raises EngineDeadError if it fails)."""
+    def __init__(self, factory, tokenizer: Tokenizer | Future, seed: int | None = None,
+                 startup_timeout_s: float = 600) -> None:
+        """Start the engine-core process and wait until its model is loaded (raises EngineDeadError if it fails).
+
+        `tokenizer` may still be loading (a Future): it is needed only once the core is ready, so the two
+        load side by side."""
         import zmq
 
-        self.tokenizer = tokenizer
-        self._output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()                  # streams and output processor: loop and reader thread
         self._send_lock = threading.Lock()             # ZMQ sockets are not thread-safe
         self._dead: str | None = None
         self._closed = False
+        self._stopping = False
         self._socket_dir = Path(tempfile.mkdtemp(prefix="flare-engine-"))
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
@@ -64,9 +68,14 @@ class AsyncEngine:
         self._process.start()
         try:
             self._ready = self._wait_until_ready(startup_timeout_s)
+            self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
         except BaseException:
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(5)
             self._close()
             raise
+        self._output_processor = OutputProcessor(self.tokenizer)
         self._stats = self._ready.stats
         self._reader = threading.Thread(target=self._read_outputs, name="flare-engine-outputs", daemon=True)
         self._reader.start()
@@ -147,6 +156,7 @@ class AsyncEngine:
         Requests still streaming end with EngineDeadError. Calling it again does nothing."""
         if self._closed:
             return
+        self._stopping = True                         # the core's exit from here on is expected
         if self._process.is_alive():
             self._send(("shutdown",))
             self._process.join(timeout_s)
@@ -192,7 +202,7 @@ class AsyncEngine:
                 self._fail(message[1], InvalidRequest(message[2]))
             elif message[0] == "fatal":
                 self._dead = f"the engine core failed:\n{message[1]}"
-        if not self._closed and self._dead != "the engine was shut down":
+        if not self._stopping:
             # Every request fails from here on; the operator needs the reason in the server's log, not
             # only in the error bodies clients receive.
             print(f"flare: {self._dead}", file=sys.stderr, flush=True)

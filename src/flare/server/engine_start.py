@@ -81,10 +81,14 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
 
     def start() -> None:
         try:
+            from concurrent.futures import ThreadPoolExecutor
+
             from flare.engine.async_engine import AsyncEngine
 
-            outcome["tokenizer"] = load_tokenizer(model.frontend_dir)
-            outcome["engine"] = AsyncEngine(factory, outcome["tokenizer"])
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-tokenizer") as loader:
+                # The tokenizer loads while the engine process starts and reads the weights.
+                outcome["engine"] = AsyncEngine(factory, loader.submit(load_tokenizer, model.frontend_dir))
+            outcome["tokenizer"] = outcome["engine"].tokenizer
         except BaseException as error:            # reported by the stage that is showing
             outcome["error"] = error
 
