@@ -12,7 +12,8 @@
 #   long        8,000-token prompts, 1 token out: time to first token
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
-# Environment: PY (python, default python3), OUT, WORK (scratch, default /tmp/flare-work), PORT,
+# Environment: PY (python, default python3), OUT (also packed into OUT/results.tgz), WORK (scratch, default
+# /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
 # MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -44,8 +45,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
 echo "commit ${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"
 
-NAME=${SHAPE%%:*}
 CKPT=$WORK/ckpt-${SHAPE/:/-}
+# WORK is scratch: an 8B checkpoint and its package take ~32 GB, so other shapes' checkpoints and
+# earlier packages go first (a 64 GiB disk once ran full on the second model).
+for old in "$WORK"/ckpt-*; do [ "$old" != "$CKPT" ] && rm -rf "$old"; done
+rm -rf "$HOME/.cache/flare/packages"
 if [ ! -f "$CKPT/config.json" ]; then
   log "checkpoint $SHAPE"
   "$PY" - "$CKPT" "$SHAPE" <<'PY'
@@ -138,3 +142,5 @@ for path in sorted(pathlib.Path(out).glob("*.json")):
 (pathlib.Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps({k: v for k, v in summary.items() if k != "levels"}))
 PY
+# One archive as well, for transports that bring back only a few files.
+tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . && echo "results: $OUT/results.tgz"
