@@ -75,6 +75,8 @@ def test_startup_shows_stages_and_the_kv_report(server):
                   "Prepare kernels and graphs", "Allocate caches", "Load frontend", "Start HTTP"):
         assert f"{stage}: OK" in log
     assert "all weights" in log                        # --verify-weights hashed them
+    # Where loading went: starting the engine process, then reading the weights.
+    assert re.search(r"Load weights: OK .* in the engine process \(process start \d+\.\d s, weights \d+\.\d s\)", log)
     assert "\x1b[" not in log                          # redirected output: plain lines only
     assert "KV cache:" in log and "tokens allocated" in log
     assert re.search(r"limited by (memory|context|concurrency)\b", log)   # which limit bound the pool

@@ -8,6 +8,7 @@ Each returns a function that, given the frontend, gives the engine client the ro
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from flare.server.served_model import ServedModel
@@ -78,6 +79,7 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
                                                 progress))
     outcome: dict[str, Any] = {}
     notes: list[str] = []                         # the engine's notes for the Prepare stage
+    timings: dict[str, float] = {}
 
     def start() -> None:
         try:
@@ -110,14 +112,18 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
                 stage.advance(message[1])
             elif message[0] == "note":
                 notes.append(message[1])
+            elif message[0] == "weights_seconds":
+                timings["weights"] = message[1]
             elif message[0] == "stage" and message[1] == until:
                 return
         if "error" in outcome:
             raise _startup_error(outcome["error"])
 
     with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
+        started = time.perf_counter()
         follow(stage, STAGE_PREPARE)
-        stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}, in the engine process")
+        stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}, in the engine process"
+                   + _weights_timing(timings.get("weights"), time.perf_counter() - started))
     with stages.stage(STAGE_PREPARE) as stage:
         follow(stage, STAGE_ALLOCATE)
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "; ".join(notes))
@@ -130,6 +136,13 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
     client = lambda frontend: outcome["engine"]
     client.tokenizer = outcome["tokenizer"]
     return client
+
+
+def _weights_timing(weights_s: float | None, stage_s: float) -> str:
+    """Where the stage's time went: starting the engine process (spawn, imports, device) or the bytes."""
+    if weights_s is None:
+        return ""
+    return f" (process start {max(0.0, stage_s - weights_s):.1f} s, weights {weights_s:.1f} s)"
 
 
 def _pool_note(engine_config: Any) -> str:

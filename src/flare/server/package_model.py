@@ -3,11 +3,12 @@
 It reopens the package the frontend already verified, builds the model on the meta-free device path,
 loads the weights from the memory-mapped payloads, puts the package's compiled kernels into the local
 compile caches on a GPU, and reports progress to the frontend's stage display over a multiprocessing
-queue: ("total", bytes), ("advance", bytes), ("stage", name), ("note", text).
+queue: ("total", bytes), ("advance", bytes), ("weights_seconds", seconds), ("stage", name), ("note", text).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,9 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
                 _report(progress, "advance", tensor.numel() * tensor.element_size())
                 yield name, tensor
 
+        started = time.perf_counter()
         model.load_hf_weights(counted())
+        _report(progress, "weights_seconds", time.perf_counter() - started)
         _report(progress, "stage", STAGE_PREPARE)
         if compiled_note is not None:
             _report(progress, "note", compiled_note.result())
