@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,6 +23,7 @@ from flare.package.signing import SigningIdentity
 from flare.package.store import EntryId, ModelCache, model_key_for
 
 WEIGHT_MODES = ("normal", "no-weights", "reuse-weights")
+WRITE_WORKERS = 4                  # payloads prepared at once: each holds one layer's tensors in memory
 
 
 @dataclass(frozen=True)
@@ -108,12 +110,21 @@ def write_signed_primary(tree: Path, manifest: dict, identity: SigningIdentity) 
 
 def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cached: bool,
                    hooks: ExportHooks) -> list[dict]:
+    """Each layer's payload read, cast, hashed and written by a few workers at once (each step releases
+    the GIL: the cast in torch, the hash, the write), then stored and reported in checkpoint order."""
     files = wt.checkpoint_tensor_files(spec.checkpoint_dir)
+    groups = list(wt.group_by_payload(files).items())
+
+    def write(group: tuple[str, list[str]]) -> tuple[str, int]:
+        payload, names = group
+        path = tree / payload
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return st.write(path, wt.read_checkpoint_group(names, files, spec.plan["dtype"]))
+
     records = []
-    for payload, names in wt.group_by_payload(files).items():
-        tensors = wt.read_checkpoint_group(names, files, spec.plan["dtype"])
-        record = _store(cache, tree, payload, "weights", tensors, hooks, require_cached=require_cached)
-        records.append(record)
+    with ThreadPoolExecutor(max_workers=WRITE_WORKERS, thread_name_prefix="flare-export") as workers:
+        for (payload, _), (sha256, size) in zip(groups, workers.map(write, groups)):
+            records.append(_register(cache, tree, payload, "weights", sha256, size, hooks, require_cached))
     return records
 
 
@@ -151,6 +162,13 @@ def _store(cache: ModelCache, tree: Path, name: str, kind: str, tensors, hooks: 
     path = tree / name
     path.parent.mkdir(parents=True, exist_ok=True)
     sha256, size = st.write(path, tensors, metadata)
+    return _register(cache, tree, name, kind, sha256, size, hooks, require_cached)
+
+
+def _register(cache: ModelCache, tree: Path, name: str, kind: str, sha256: str, size: int, hooks: ExportHooks,
+              require_cached: bool = False) -> dict:
+    """Link a written payload to its blob and report it; its manifest record."""
+    path = tree / name
     if require_cached and not cache.has_blob(sha256):
         raise PreparationError(f"--no-weights: weight payload {name} ({sha256[:12]}…) is not cached; "
                                "export once without --no-weights")

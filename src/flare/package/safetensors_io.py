@@ -26,12 +26,13 @@ DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2
 
 @dataclass(frozen=True)
 class TensorBytes:
-    """One tensor to write: its name, safetensors dtype string, shape and raw little-endian bytes."""
+    """One tensor to write: its name, safetensors dtype string, shape and raw little-endian bytes (or a
+    flat byte view of them)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ def tensor_bytes(name: str, tensor) -> st.TensorBytes:
     import torch
     code = _TORCH_TO_CODE[str(tensor.dtype).removeprefix("torch.")]
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    # A view of the tensor's memory, not a copy: export writes and hashes it straight from there.
+    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
     return st.TensorBytes(name, code, tuple(tensor.shape), data)
 
 
