@@ -19,7 +19,7 @@ KEY = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDI
 @pytest.fixture
 def gpu_prepared(monkeypatch):
     """export_model as on a GPU whose warm-up produced `artifacts` and captured sizes 1, 2, 4."""
-    artifacts = CompiledArtifacts(bytes(range(256)) * 64, KEY)
+    artifacts = CompiledArtifacts(bytes(range(256)) * 64, KEY, b"packed kernels" * 10)
 
     def prepared(checkpoint_dir, plan, device, progress):
         return PreparedCode(artifacts, (1, 2, 4), 1.5)
@@ -30,8 +30,7 @@ def gpu_prepared(monkeypatch):
 
 def test_export_stores_the_compiled_artifacts_and_catalog(export, approved, gpu_prepared):
     package = open_package(export(), approved)
-    data, key = package.compiled_artifacts()
-    assert data == gpu_prepared.data and key == KEY
+    assert CompiledArtifacts(*package.compiled_artifacts()) == gpu_prepared
     assert list(package.graph_catalogs.values()) == [
         {"captured": [1, 2, 4], "note": "decode graphs are captured when serving starts"}]
 
@@ -53,7 +52,7 @@ def test_tampered_artifacts_are_refused(export, gpu_prepared):
         open_unverified(entry).compiled_artifacts()
 
 
-def test_artifacts_load_only_where_they_were_made(monkeypatch):
+def test_artifacts_load_only_where_they_were_made(monkeypatch, tmp_path):
     loaded = []
     monkeypatch.setattr(compile_cache, "environment_key", lambda: dict(KEY, gpu="NVIDIA H100 80GB HBM3"))
     import torch
@@ -63,8 +62,11 @@ def test_artifacts_load_only_where_they_were_made(monkeypatch):
     assert "gpu NVIDIA H200 (here NVIDIA H100 80GB HBM3)" in note and note.endswith("compiling")
 
     monkeypatch.setattr(compile_cache, "environment_key", lambda: dict(KEY))
-    note = compile_cache.load_artifacts(CompiledArtifacts(b"x" * 1024, KEY))
+    monkeypatch.setattr(compile_cache, "triton_cache_dir", lambda: tmp_path / "triton")
+    kernels = _fake_triton_cache(tmp_path / "made", {"_decode_split_kernel": "a1", "_prefill_kernel": "b2"})
+    note = compile_cache.load_artifacts(CompiledArtifacts(b"x" * 1024, KEY, kernels))
     assert loaded == [b"x" * 1024] and note.startswith("compiled kernels from the package")
+    assert "2 Triton kernels added" in note and sorted(p.name for p in (tmp_path / "triton").iterdir()) == ["a1", "b2"]
     assert compile_cache.load_artifacts(None).endswith("compiling")
 
 
@@ -79,3 +81,50 @@ def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatc
     text = stream.getvalue()
     assert prepared.captured_sizes == (1, 2, 4, 8)
     assert "warmed up in 12.0 s" in text and "4 decode batch sizes (1, 2, 4, 8)" in text
+
+
+def _fake_triton_cache(root, kernels: dict) -> bytes:
+    """A Triton cache with one entry per kernel name (folder name -> files as Triton writes them), packed."""
+    for name, folder in kernels.items():
+        entry = root / folder
+        entry.mkdir(parents=True)
+        (entry / f"__grp__{name}.json").write_text("{}")
+        (entry / f"{name}.cubin").write_bytes(b"\x7fELF" + folder.encode())
+    return compile_cache.pack_triton_kernels(root, set(kernels))
+
+
+def test_only_our_kernels_are_packed_and_existing_entries_are_kept(tmp_path):
+    made = tmp_path / "made"
+    packed = _fake_triton_cache(made, {"_decode_split_kernel": "ours", "some_inductor_kernel": "theirs"})
+    assert compile_cache.pack_triton_kernels(made, {"_decode_split_kernel"}) != packed
+    packed = compile_cache.pack_triton_kernels(made, {"_decode_split_kernel"})
+    local = tmp_path / "local"
+    (local / "ours").mkdir(parents=True)
+    (local / "ours" / "kept.txt").write_text("already here")
+    assert compile_cache.unpack_triton_kernels(packed, local) == 0           # present: left alone
+    assert [p.name for p in (local / "ours").iterdir()] == ["kept.txt"]
+    fresh = tmp_path / "fresh"
+    assert compile_cache.unpack_triton_kernels(packed, fresh) == 1
+    assert (fresh / "ours" / "_decode_split_kernel.cubin").read_bytes() == b"\x7fELFours"
+    assert not (fresh / "theirs").exists() and [p.name for p in fresh.iterdir()] == ["ours"]
+    assert compile_cache.pack_triton_kernels(tmp_path / "missing", {"x"}) == b""
+
+
+def test_a_packed_entry_cannot_escape_the_cache(tmp_path):
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = 3
+        archive.addfile(info, io.BytesIO(b"bad"))
+    with pytest.raises(tarfile.TarError):
+        compile_cache.unpack_triton_kernels(buffer.getvalue(), tmp_path / "cache")
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_the_packed_kernels_are_flare_s_own():
+    names = compile_cache.kernel_names()
+    assert {"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_write_kv_kernel",
+            "_gemv_kernel"} <= names

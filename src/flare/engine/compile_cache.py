@@ -8,20 +8,33 @@ before the layers are compiled, so torch.compile finds every graph cached: it st
 (a second or two) but generates and builds no kernels. Graphs themselves hold device addresses and are
 captured again at every start.
 
+Our own Triton kernels (paged attention, gemv) are not torch.compile's: Triton caches them on disk
+itself. Preparation packs their cache entries too, and serving unpacks them into the local Triton cache,
+so a package served on a fresh machine of the same kind builds none of them either.
+
 The artifacts fit only the software and GPU that made them; `environment_key` records those, and a
 package served elsewhere compiles as before, with a note that says why.
 """
 
 from __future__ import annotations
 
+import importlib
+import io
+import os
 import secrets
+import tarfile
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+
+KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention", "flare.kernels.gemv")
 
 
 @dataclass(frozen=True)
 class CompiledArtifacts:
     data: bytes                                  # torch.compiler.save_cache_artifacts() bytes
     key: dict                                    # environment_key() where they were made
+    triton_kernels: bytes = b""                  # our kernels' Triton cache entries (pack_triton_kernels)
 
 
 def environment_key(device_index: int = 0) -> dict:
@@ -41,7 +54,7 @@ def save_artifacts() -> CompiledArtifacts | None:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None or not saved[0]:
         return None
-    return CompiledArtifacts(saved[0], environment_key())
+    return CompiledArtifacts(saved[0], environment_key(), pack_triton_kernels(triton_cache_dir(), kernel_names()))
 
 
 def load_artifacts(artifacts: CompiledArtifacts | None) -> str:
@@ -57,7 +70,63 @@ def load_artifacts(artifacts: CompiledArtifacts | None) -> str:
     import torch
 
     torch.compiler.load_cache_artifacts(artifacts.data)
-    return f"compiled kernels from the package ({len(artifacts.data) / 2**20:.1f} MiB)"
+    added = unpack_triton_kernels(artifacts.triton_kernels, triton_cache_dir())
+    size = (len(artifacts.data) + len(artifacts.triton_kernels)) / 2**20
+    return f"compiled kernels from the package ({size:.1f} MiB; {added} Triton kernels added to the local cache)"
+
+
+def triton_cache_dir() -> Path:
+    """Where Triton keeps compiled kernels in this process (Flare points TRITON_CACHE_DIR into its kernel cache)."""
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):          # Triton before the knobs module
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def kernel_names() -> set[str]:
+    """The names of Flare's own Triton kernels."""
+    from triton.runtime.jit import KernelInterface         # jitted kernels, interpreted ones too
+
+    return {value.__name__ for module in KERNEL_MODULES for value in vars(importlib.import_module(module)).values()
+            if isinstance(value, KernelInterface)}
+
+
+def pack_triton_kernels(cache_dir: Path, names: set[str]) -> bytes:
+    """A gzip tar of the Triton cache entries (one folder each, named by its hash) that hold a compiled
+    kernel of `names`; empty when there are none."""
+    entries = [entry for entry in sorted(Path(cache_dir).iterdir()) if entry.is_dir()
+               and any((entry / f"__grp__{name}.json").is_file() for name in names)] if Path(cache_dir).is_dir() else []
+    if not entries:
+        return b""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for entry in entries:
+            archive.add(entry, arcname=entry.name)
+    return buffer.getvalue()
+
+
+def unpack_triton_kernels(data: bytes, cache_dir: Path) -> int:
+    """Add the packed entries the local cache lacks; return how many were added. Entries arrive whole: each
+    is unpacked beside the cache and renamed into it, so a Triton reading the cache never sees half a one."""
+    if not data:
+        return 0
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    added = 0
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".flare-unpack-") as staging:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+            archive.extractall(staging, filter="data")       # refuses absolute paths, links out, devices
+        for entry in sorted(Path(staging).iterdir()):
+            if (cache_dir / entry.name).exists():
+                continue
+            try:
+                os.rename(entry, cache_dir / entry.name)
+                added += 1
+            except OSError:                                   # another process added it meanwhile
+                pass
+    return added
 
 
 def warm_up(core, vocab_size: int, prompt_tokens: int) -> None:

@@ -184,8 +184,8 @@ def _module_global(spec: ExportSpec) -> tuple[list[st.TensorBytes], dict[str, st
     if spec.compiled is None:
         return [], metadata
     metadata[fmt.COMPILE_KEY_METADATA] = json.dumps(spec.compiled.key, sort_keys=True)
-    data = spec.compiled.data
-    return [st.TensorBytes(fmt.COMPILED_ARTIFACTS_TENSOR, "U8", (len(data),), data)], metadata
+    parts = {fmt.COMPILED_ARTIFACTS_TENSOR: spec.compiled.data, fmt.TRITON_KERNELS_TENSOR: spec.compiled.triton_kernels}
+    return [st.TensorBytes(name, "U8", (len(data),), data) for name, data in parts.items() if data], metadata
 
 
 def _frontend_tensors(spec: ExportSpec) -> list[st.TensorBytes]:

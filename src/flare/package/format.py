@@ -31,6 +31,7 @@ FRONTEND_PAYLOAD = "frontend.safetensors"
 GRAPH_CATALOG_METADATA = "flare.graph_catalog"
 COMPILE_KEY_METADATA = "flare.compile_key"
 COMPILED_ARTIFACTS_TENSOR = "torch_compile_artifacts"
+TRITON_KERNELS_TENSOR = "triton_kernels"          # a gzip tar of Triton cache entries of Flare's own kernels
 PACKED_PREFIX = "payload:"
 PADDING_PREFIX = "padding:"
 PACKED_ALIGNMENT = 64

@@ -81,16 +81,18 @@ class Package:
         for location in locations:
             yield from wt.iter_tensors(*location)
 
-    def compiled_artifacts(self, rank: int = 0) -> tuple[bytes, dict] | None:
-        """The torch.compile artifacts prepared for `rank` of the first deployment and the environment key
-        they were made with, read hash-checked; None when the package was prepared without a GPU."""
+    def compiled_artifacts(self, rank: int = 0) -> tuple[bytes, dict, bytes] | None:
+        """The torch.compile artifacts prepared for `rank` of the first deployment, the environment key
+        they were made with and the packed Triton kernels (b"" if none), read hash-checked; None when the
+        package was prepared without a GPU."""
         deployment = self.manifest["deployments"][0]
         name = next(r["payloads"][0] for r in deployment["ranks"] if r["rank"] == rank)
         record = next(r for r in self.manifest["payloads"] if r["name"] == name)
         tensors, metadata = _decode(verify.read_verified(self.files, record), name)
         if fmt.COMPILED_ARTIFACTS_TENSOR not in tensors:
             return None
-        return tensors[fmt.COMPILED_ARTIFACTS_TENSOR], json.loads(metadata.get(fmt.COMPILE_KEY_METADATA, "{}"))
+        return (tensors[fmt.COMPILED_ARTIFACTS_TENSOR], json.loads(metadata.get(fmt.COMPILE_KEY_METADATA, "{}")),
+                tensors.get(fmt.TRITON_KERNELS_TENSOR, b""))
 
     def frontend_dir(self) -> Path:
         """Materialise the frontend assets into a temporary directory (removed by `close`)."""
