@@ -128,3 +128,24 @@ def test_the_packed_kernels_are_flare_s_own():
     names = compile_cache.kernel_names()
     assert {"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_write_kv_kernel",
             "_gemv_kernel"} <= names
+
+
+def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, monkeypatch):
+    """The preparation warm-up on the CPU: the same engine set-up and request as on a GPU (a full
+    prefill chunk, a shorter remainder, then decoding), where nothing is compiled or captured, so it
+    keeps no artifacts."""
+    seen = {}
+    real_warm_up = compile_cache.warm_up
+
+    def observed(core, vocab_size, prompt_tokens):
+        real_warm_up(core, vocab_size, prompt_tokens)
+        seen.update(prompt_tokens=prompt_tokens, stats=core.stats(check_integrity=True))
+
+    monkeypatch.setattr(compile_cache, "warm_up", observed)
+    plan = {"dtype": "float32", "page_size": 16, "prefill_chunk": 64, "max_concurrency": 4}
+    prepared = compile_cache.prepare_compiled(stories260k, plan, device="cpu")
+    assert prepared.artifacts is None and prepared.captured_sizes == ()
+    assert seen["prompt_tokens"] == 64 + 32 + 1
+    stats = seen["stats"]
+    assert stats.num_computed_tokens == 97 + 1 and (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.page_integrity == "ok"

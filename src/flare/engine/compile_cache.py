@@ -173,9 +173,12 @@ def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda") -> Prepar
     graphs = core.runner.graphs
     sizes = graphs.sizes if graphs is not None else ()
     warm_up(core, loaded.model_config.vocab_size, prompt_tokens)
-    torch.cuda.synchronize()
+    on_cuda = str(device).startswith("cuda")
+    if on_cuda:
+        torch.cuda.synchronize()
     artifacts = save_artifacts()
     del core, graphs, loaded
     gc.collect()
-    torch.cuda.empty_cache()
+    if on_cuda:
+        torch.cuda.empty_cache()
     return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started)
