@@ -129,7 +129,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         device = _device(options.gpus)
         dtype = options.dtype or recipe.dtype or ("bfloat16" if device == "cuda" else "float32")
         plan = _plan(recipe, options, settings, hf_config, dtype)
-        selected = _fit_memory(source.directory, hf_config, plan, recipe, options.gpus, device)
+        fit = _fit_memory(source.directory, hf_config, plan, recipe, options.gpus, device)
+        selected = fit.selected
         tensor_parallel = max(1, len(selected))
         phase.done(f"{_device_label(selected)}; {dtype}; "
                    f"concurrency {plan['max_concurrency']}, prefill chunk {plan['prefill_chunk']:,}")
@@ -139,7 +140,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         groups = wt.group_by_payload(files)
         phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
                    f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}")
-    prepared = _prepare_code(source.directory, plan, device, progress)
+    with fit.allocation_guard():
+        prepared = _prepare_code(source.directory, plan, device, progress)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
     with progress.phase("Export package") as phase:
         counts = {"written": 0, "reused": 0, "bytes": 0}
@@ -211,7 +213,7 @@ def _device(gpus: str | None) -> str:
 
 
 def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: RecipeFacts, gpus: str | None,
-                device: str) -> tuple[int, ...]:
+                device: str) -> "MemoryFit":
     """The GPUs to prepare on (none on the CPU), refusing before any weight loads a model whose
     estimate does not fit them: the section-6 capacity error."""
     from dataclasses import replace
@@ -236,20 +238,39 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: Recip
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
     headroom = max(engine_headroom("preparation", plan["prefill_chunk"]), engine_headroom("serving"))
     budgets = [memory_budget(d, headroom, reserve=plan["memory_reserve_bytes"]) for d in devices]
-    sizes = recipe.tensor_parallel_sizes
+    sizes = tuple(recipe.tensor_parallel_sizes)
     if device == "cpu":
         check_estimate(estimate, budgets)
-        return ()
+        return MemoryFit((), estimate, tuple(budgets), tuple(budgets), sizes)
     if gpus is None:
-        return tuple(choose_gpus(estimate, budgets, sizes))
-    selected = parse_gpus(gpus)
-    check_gpu_selection(selected, len(devices))
-    if len(selected) not in sizes:
-        raise UsageError(f"--gpus {gpus} selects {len(selected)} GPUs; {recipe.name} supports tensor-parallel "
-                         f"sizes {', '.join(map(str, sizes))} for this checkpoint")
-    check_estimate(replace(estimate, tensor_parallel=len(selected)), [budgets[i] for i in selected],
-                   all_budgets=budgets, tensor_parallel_sizes=sizes)
-    return selected
+        selected = tuple(choose_gpus(estimate, budgets, sizes))
+    else:
+        selected = tuple(parse_gpus(gpus))
+        check_gpu_selection(selected, len(devices))
+        if len(selected) not in sizes:
+            raise UsageError(f"--gpus {gpus} selects {len(selected)} GPUs; {recipe.name} supports tensor-parallel "
+                             f"sizes {', '.join(map(str, sizes))} for this checkpoint")
+        check_estimate(replace(estimate, tensor_parallel=len(selected)), [budgets[i] for i in selected],
+                       all_budgets=budgets, tensor_parallel_sizes=sizes)
+    return MemoryFit(selected, replace(estimate, tensor_parallel=len(selected)),
+                     tuple(budgets[i] for i in selected), tuple(budgets), sizes)
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """Where preparation runs and the estimate that admitted it, kept to report a failed allocation."""
+
+    selected: tuple[int, ...]                  # GPU indices; empty on the CPU
+    estimate: object                           # flare.estimate.MemoryEstimate
+    budgets: tuple                             # the selected devices' budgets (the host's on a CPU)
+    all_budgets: tuple
+    tensor_parallel_sizes: tuple[int, ...]
+
+    def allocation_guard(self):
+        """A GPU out-of-memory error inside becomes the section-6 capacity error (exit 4)."""
+        from flare.estimate import oom_as_capacity_error
+        return oom_as_capacity_error(self.estimate, self.budgets, all_budgets=self.all_budgets,
+                                     tensor_parallel_sizes=self.tensor_parallel_sizes)
 
 
 def _device_label(selected: tuple[int, ...]) -> str:

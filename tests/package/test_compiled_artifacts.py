@@ -149,3 +149,28 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
     stats = seen["stats"]
     assert stats.num_computed_tokens == 97 + 1 and (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.page_integrity == "ok"
+
+
+def test_running_out_of_gpu_memory_while_preparing_is_the_capacity_error(export, cache_root, monkeypatch):
+    """The warm-up allocates on the GPU; an out-of-memory error there is reported in the section-6 form
+    (exit 4), and nothing is published."""
+    from flare import memory
+    from flare.errors import CapacityError
+
+    class OutOfMemoryError(RuntimeError):          # torch.OutOfMemoryError's name and message
+        pass
+
+    def out_of_memory(checkpoint_dir, plan, device):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                               "of 79.19 GiB of which 1.50 GiB is free.")
+
+    monkeypatch.setattr(prepare, "_device", lambda gpus: "cuda")
+    monkeypatch.setattr(memory, "read_device_memory",
+                        lambda: [memory.DeviceMemory(0, "test GPU", free=80 * 1024 ** 3, total=80 * 1024 ** 3)])
+    monkeypatch.setattr(compile_cache, "prepare_compiled", out_of_memory)
+    with pytest.raises(CapacityError) as refused:
+        export()
+    assert refused.value.exit_code == 4
+    assert "ran out of GPU memory during preparation: Tried to allocate 2.00 GiB" in str(refused.value)
+    assert "Options:" in str(refused.value)
+    assert not (cache_root / "refs" / "stories260k").exists()
