@@ -275,14 +275,21 @@ def is_out_of_memory(error: BaseException) -> bool:
     return type(error).__name__ == "OutOfMemoryError" or "out of memory" in str(error).lower()
 
 
+def failed_allocation(message: str) -> str:
+    """The sentence of an out-of-memory message that says what failed ("Tried to allocate … is free."),
+    on one line; the message's first line when it has none."""
+    message = message.strip()
+    quoted = re.search(r"Tried to allocate .*?(?:is free\.|$)", message, re.DOTALL)
+    return " ".join((quoted[0] if quoted else message.splitlines()[0] if message else "").split())
+
+
 def capacity_error_from_oom(error: BaseException, estimate: MemoryEstimate, budgets: Sequence[Budget], *,
                             all_budgets: Sequence[Budget] | None = None,
                             tensor_parallel_sizes: Sequence[int] = (1,)) -> CapacityError:
     """An allocation that failed although the estimate fit, reported in the §6 form, quoting the failed
     allocation; each option gives at least that allocation more room than the failed run had."""
     message = str(error).strip()
-    quoted = re.search(r"Tried to allocate .*?(?:is free\.|$)", message, re.DOTALL)
-    quote = " ".join((quoted[0] if quoted else message.splitlines()[0] if message else "").split())
+    quote = failed_allocation(message)
     size = re.search(r"Tried to allocate ([\d.]+) ([KMGT]i?B)", message)
     failed = int(float(size[1]) * {"K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}[size[2][0]]) if size else 0
     requirement = estimate.requirement()

@@ -219,3 +219,21 @@ def test_the_concurrency_export_accepts_also_serves_on_that_gpu(stories260k, mon
     served = _model(hf_config=hf_config, weight_bytes=weight_bytes, prefill_chunk=256, prepared_concurrency=256,
                     max_model_len=hf_config["max_position_embeddings"])
     assert serving_kv_pool(served, accepted[-1], "memory", None, 0).limited_by == "memory"
+
+
+def test_an_engine_that_runs_out_of_gpu_memory_at_startup_says_what_to_change():
+    from flare.engine.async_engine import EngineDeadError
+    from flare.errors import CapacityError, PreparationError
+    from flare.server.engine_start import _startup_error
+
+    failed = EngineDeadError(
+        "the engine core failed to start:\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: "
+        "CUDA out of memory. Tried to allocate 3.90 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+        "3.33 GiB is free. Including non-PyTorch memory, this process has 136.47 GiB memory in use.")
+    error = _startup_error(failed)
+    assert isinstance(error, CapacityError) and error.exit_code == 4
+    assert "Tried to allocate 3.90 GiB. GPU 0 has a total capacity of 139.80 GiB of which 3.33 GiB is free." \
+        in str(error)
+    assert "--memory-limit -4G" in str(error) and "--max-concurrency" in str(error)
+    other = _startup_error(EngineDeadError("the engine core failed to start:\nValueError: bad weights"))
+    assert isinstance(other, PreparationError) and "bad weights" in str(other)

@@ -151,11 +151,21 @@ def _pool_note(engine_config: Any) -> str:
 
 
 def _startup_error(error: BaseException) -> BaseException:
-    """User-facing errors pass through; an engine that could not load becomes a preparation error (5)."""
-    from flare.errors import FlareError, PreparationError
+    """User-facing errors pass through; running out of GPU memory is a capacity error (4) with what to
+    change; any other engine that could not load becomes a preparation error (5)."""
+    from flare.errors import CapacityError, FlareError, PreparationError
+    from flare.estimate import failed_allocation, is_out_of_memory
 
     if isinstance(error, FlareError):
         return error
+    text = str(error)
+    if is_out_of_memory(error):
+        allocation = failed_allocation(text) if "Tried to allocate" in text else ""
+        return CapacityError(
+            "ran out of GPU memory while the engine started" + (f": {allocation}" if allocation else "")
+            + "\n       The KV pages were sized from the memory free at startup; something else took more."
+            + "\n       Options: keep more free with --memory-limit -4G; a lower --max-concurrency; "
+              "--kv-cache-limit context.")
     return PreparationError(f"the engine could not load the model: {error}")
 
 
