@@ -13,6 +13,7 @@ from safetensors import safe_open
 from flare.errors import PreparationError, UsageError
 from flare.package import format as fmt
 from flare.package import safetensors_io as st
+from flare.package import weights as wt
 from flare.package.reader import open_package
 from flare.package.store import ModelCache
 
@@ -207,3 +208,26 @@ def test_a_configured_export_staging_is_explained_not_silently_ignored(export, c
     assert entry.is_dir() and not (tmp_path / "nas-staging").exists()
     assert f"export_staging ({tmp_path / 'nas-staging'}) is the workspace of multi-host exports" in stream.getvalue()
     assert f"stages in {cache_root / 'staging'}" in stream.getvalue()
+
+
+def test_a_failed_payload_stops_the_remaining_writes(export, monkeypatch):
+    import threading
+
+    real_read, started = wt.read_checkpoint_group, []
+    lock = threading.Lock()
+
+    def read_or_fail(names, files, dtype):
+        with lock:
+            started.append(names[0])
+            first = len(started) == 1
+        if first:
+            raise PreparationError("checkpoint tensor is corrupt")
+        return real_read(names, files, dtype)
+
+    monkeypatch.setattr(wt, "read_checkpoint_group", read_or_fail)
+    monkeypatch.setattr("flare.package.export.WRITE_WORKERS", 1)
+    with pytest.raises(PreparationError, match="corrupt"):
+        export()
+    # The one worker may have taken the next payload before the failure was seen; the other five queued
+    # behind it were never read.
+    assert len(started) <= 2
