@@ -27,6 +27,11 @@ HEADROOM_PER_PREFILL_TOKEN = 128 * KiB    # activations of each prefill token be
 HEADROOM_FREE_PREFILL_TOKENS = 4096
 # Serving: the CUDA context (0.74 GiB measured on an H200 with CUDA 13), allocator fragmentation and
 # workspaces, beyond the graphs-and-scratch estimate; with 1.1 GiB less, prefill ran an H200 out of memory.
+# The specification's serving margin is 64 MiB "after graph upload": its runtime maps KV pages into
+# reserved address ranges once graphs are uploaded and measures what is left. Flare sizes the pool from
+# NVML before the engine process starts and allocates it before capturing graphs (they hold its
+# addresses), so this margin stands in for what that measurement would see. Export counts it too
+# (prepare._fit_memory), so a package that prepares on a GPU also starts there.
 SERVING_HEADROOM = 2 * GiB
 MEMORY_MODE_MIN_TOKENS_PER_REQUEST = 8192
 
