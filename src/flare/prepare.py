@@ -87,6 +87,8 @@ class ExportOptions:
     config_path: Path | None = None
     cache_root: Path | None = None                 # overrides [paths] package_cache
     dtype: str | None = None                       # overrides the device's serving dtype
+    compile: bool = True                           # False: --no-compile (graphs of the eager layers)
+    compile_workers: int | None = None             # --compile-workers, else [preparation] compile_workers
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     settings = load_settings(options.config_path)
     if options.weight_mode not in ("normal", "no-weights", "reuse-weights"):
         raise UsageError("--no-weights and --reuse-weights cannot be combined")
+    if options.compile_workers is not None and options.compile_workers < 1:
+        raise UsageError(f"--compile-workers {options.compile_workers}: give a positive number of processes")
     cache = ModelCache(options.cache_root or settings.package_cache)
     identity = publishing_identity(settings.publishing, settings.config_dir, options.official_source)
 
@@ -140,8 +144,9 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         groups = wt.group_by_payload(files)
         phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
                    f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}")
+    workers = options.compile_workers or settings.config.preparation.compile_workers
     with fit.allocation_guard():
-        prepared = _prepare_code(source.directory, plan, device, progress)
+        prepared = _prepare_code(source.directory, plan, device, progress, workers)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
     if settings.config.paths.export_staging is not None:
         progress.line(f"note: [paths] export_staging ({settings.config.paths.export_staging}) is the workspace of "
@@ -174,7 +179,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     return entry
 
 
-def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: PhaseProgress):
+def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: PhaseProgress,
+                  compile_workers: int | None = None):
     """The tune, compile, allocate and capture phases: on a GPU, a warm-up of the compiled model whose
     compiled kernels go into the package (flare.engine.compile_cache); on a CPU, nothing to prepare."""
     with progress.phase("Tune kernels") as phase:
@@ -188,10 +194,13 @@ def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: Phase
         return None
     from flare.engine.compile_cache import prepare_compiled
     with progress.phase("Compile forward") as phase:
-        prepared = prepare_compiled(checkpoint_dir, plan, device)
+        prepared = prepare_compiled(checkpoint_dir, plan, device, compile_workers)
         size = format_bytes(len(prepared.artifacts.data)) if prepared.artifacts else "nothing"
-        phase.done(f"decoder layers compiled and warmed up in {prepared.seconds:.1f} s; {size} of compiled "
-                   "kernels kept for serving")
+        if plan["compile"]:
+            phase.done(f"decoder layers compiled and warmed up in {prepared.seconds:.1f} s; {size} of compiled "
+                       "kernels kept for serving")
+        else:
+            phase.skip(f"--no-compile: eager layers, warmed up in {prepared.seconds:.1f} s")
     with progress.phase("Allocate KV cache") as phase:
         phase.skip("pages are sized from free device memory when the package is served")
     with progress.phase("Capture graphs") as phase:
@@ -296,7 +305,7 @@ def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_co
     chunk = options.prefill_chunk or recipe.prefill_chunk
     if options.prefill_chunk is not None and (chunk <= 0 or chunk % 64):
         raise UsageError(f"--prefill-chunk-size {chunk} must be a positive multiple of 64")
-    return {"dtype": dtype, "page_size": recipe.page_size, "prefill_chunk": chunk,
+    return {"dtype": dtype, "page_size": recipe.page_size, "prefill_chunk": chunk, "compile": options.compile,
             "max_concurrency": concurrency, "decode_capacities": _capacities(recipe, concurrency),
             "max_model_len": hf_config.get("max_position_embeddings"),
             "memory_reserve_bytes": settings.memory_reserve_bytes}

@@ -21,7 +21,7 @@ def gpu_prepared(monkeypatch):
     """export_model as on a GPU whose warm-up produced `artifacts` and captured sizes 1, 2, 4."""
     artifacts = CompiledArtifacts(bytes(range(256)) * 64, KEY, b"packed kernels" * 10)
 
-    def prepared(checkpoint_dir, plan, device, progress):
+    def prepared(checkpoint_dir, plan, device, progress, compile_workers=None):
         return PreparedCode(artifacts, (1, 2, 4), 1.5)
 
     monkeypatch.setattr(prepare, "_prepare_code", prepared)
@@ -73,14 +73,22 @@ def test_artifacts_load_only_where_they_were_made(monkeypatch, tmp_path):
 def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatch):
     """The phase lines come from the real _prepare_code when the warm-up is stood in for."""
     monkeypatch.undo()
-    monkeypatch.setattr(compile_cache, "prepare_compiled", lambda directory, plan, device: PreparedCode(
-        gpu_prepared, (1, 2, 4, 8), 12.0))
+    calls = []
+
+    def prepared_code(directory, plan, device, compile_workers):
+        calls.append(compile_workers)
+        return PreparedCode(gpu_prepared, (1, 2, 4, 8), 12.0)
+
+    monkeypatch.setattr(compile_cache, "prepare_compiled", prepared_code)
     from flare.ui.progress import PhaseProgress
     stream = io.StringIO()
-    prepared = prepare._prepare_code(None, {}, "cuda", PhaseProgress(stream=stream, styled=False))
+    prepared = prepare._prepare_code(None, {"compile": True}, "cuda", PhaseProgress(stream=stream, styled=False), 3)
     text = stream.getvalue()
-    assert prepared.captured_sizes == (1, 2, 4, 8)
+    assert prepared.captured_sizes == (1, 2, 4, 8) and calls == [3]
     assert "warmed up in 12.0 s" in text and "4 decode batch sizes (1, 2, 4, 8)" in text
+    stream = io.StringIO()
+    prepare._prepare_code(None, {"compile": False}, "cuda", PhaseProgress(stream=stream, styled=False))
+    assert "Compile forward. [SKIP] --no-compile: eager layers, warmed up in 12.0 s" in stream.getvalue()
 
 
 def _fake_triton_cache(root, kernels: dict) -> bytes:
@@ -160,7 +168,7 @@ def test_running_out_of_gpu_memory_while_preparing_is_the_capacity_error(export,
     class OutOfMemoryError(RuntimeError):          # torch.OutOfMemoryError's name and message
         pass
 
-    def out_of_memory(checkpoint_dir, plan, device):
+    def out_of_memory(checkpoint_dir, plan, device, compile_workers):
         raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
                                "of 79.19 GiB of which 1.50 GiB is free.")
 
@@ -174,3 +182,20 @@ def test_running_out_of_gpu_memory_while_preparing_is_the_capacity_error(export,
     assert "ran out of GPU memory during preparation: Tried to allocate 2.00 GiB" in str(refused.value)
     assert "Options:" in str(refused.value)
     assert not (cache_root / "refs" / "stories260k").exists()
+
+
+def test_no_compile_is_recorded_in_the_package_and_followed_when_serving(export, approved):
+    from flare.engine.config import EngineConfig
+    from flare.server.package_model import load_package_model
+
+    entry = export(compile=False)
+    assert open_package(entry, approved).plan["compile"] is False
+    loaded = load_package_model(str(entry), EngineConfig(max_model_len=256, num_pages=64), "cpu", "float32")
+    assert loaded.compile_layers is False
+    assert open_package(export(), approved).plan["compile"] is True
+
+
+def test_compile_workers_must_be_positive(export):
+    from flare.errors import UsageError
+    with pytest.raises(UsageError, match="--compile-workers 0"):
+        export(compile_workers=0)

@@ -48,13 +48,16 @@ def environment_key(device_index: int = 0) -> dict:
 
 
 def save_artifacts() -> CompiledArtifacts | None:
-    """Everything torch.compile compiled or loaded from cache in this process so far; None if nothing."""
+    """Everything torch.compile compiled or loaded from cache in this process so far, and our Triton
+    kernels' cache entries; None if there is neither."""
     import torch
 
     saved = torch.compiler.save_cache_artifacts()
-    if saved is None or not saved[0]:
+    compiled = saved[0] if saved is not None and saved[0] else b""
+    kernels = pack_triton_kernels(triton_cache_dir(), kernel_names())
+    if not compiled and not kernels:
         return None
-    return CompiledArtifacts(saved[0], environment_key(), pack_triton_kernels(triton_cache_dir(), kernel_names()))
+    return CompiledArtifacts(compiled, environment_key(), kernels)
 
 
 def load_artifacts(artifacts: CompiledArtifacts | None) -> str:
@@ -69,7 +72,8 @@ def load_artifacts(artifacts: CompiledArtifacts | None) -> str:
         return "compiled kernels were prepared with " + ", ".join(differences) + ": compiling"
     import torch
 
-    torch.compiler.load_cache_artifacts(artifacts.data)
+    if artifacts.data:
+        torch.compiler.load_cache_artifacts(artifacts.data)
     added = unpack_triton_kernels(artifacts.triton_kernels, triton_cache_dir())
     size = (len(artifacts.data) + len(artifacts.triton_kernels)) / 2**20
     return f"compiled kernels from the package ({size:.1f} MiB; {added} Triton kernels added to the local cache)"
@@ -149,11 +153,14 @@ class PreparedCode:
     seconds: float
 
 
-def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda") -> PreparedCode:
-    """Load the checkpoint onto the GPU, compile it, capture the plan's decode catalog, run a warm-up
-    request, and keep what torch.compile produced. Frees the GPU memory it used before returning."""
+def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda",
+                     compile_workers: int | None = None) -> PreparedCode:
+    """Load the checkpoint onto the GPU, compile it (unless the plan says `compile: False`), capture the
+    plan's decode catalog, run a warm-up request, and keep what was compiled. `compile_workers` bounds
+    Inductor's compiler processes. Frees the GPU memory it used before returning."""
     import gc
     import time
+    from dataclasses import replace
 
     import torch
 
@@ -168,7 +175,12 @@ def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda") -> Prepar
                           num_pages=-(-max_model_len // plan["page_size"]), prefill_chunk=chunk,
                           max_num_batched_tokens=max(chunk, plan["max_concurrency"]),
                           max_model_len=max_model_len, enable_prefix_caching=False)
+    if compile_workers is not None:
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = compile_workers
     loaded = load_checkpoint_model(checkpoint_dir, config, device, plan["dtype"])
+    loaded = replace(loaded, compile_layers=plan.get("compile", True))
     core = build_core(loaded)
     graphs = core.runner.graphs
     sizes = graphs.sizes if graphs is not None else ()
@@ -176,7 +188,7 @@ def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda") -> Prepar
     on_cuda = str(device).startswith("cuda")
     if on_cuda:
         torch.cuda.synchronize()
-    artifacts = save_artifacts()
+    artifacts = save_artifacts() if on_cuda else None      # nothing is compiled for a CPU
     del core, graphs, loaded
     gc.collect()
     if on_cuda:

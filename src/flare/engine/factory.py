@@ -23,6 +23,7 @@ class LoadedModel:
     engine_config: EngineConfig
     device: str = "cpu"
     dtype: str = "float32"
+    compile_layers: bool = True         # on CUDA, compile the decoder layers (False: --no-compile packages)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def build_core(loaded: LoadedModel, seed: int | None = None):
     from flare.engine.cuda_graphs import runs_triton_attention
 
     fast = str(loaded.device).startswith("cuda") and runs_triton_attention(loaded.model)
-    if fast:
+    if fast and loaded.compile_layers:
         from flare.engine.compile import compile_model
 
         compile_model(loaded.model)

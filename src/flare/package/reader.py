@@ -89,9 +89,9 @@ class Package:
         name = next(r["payloads"][0] for r in deployment["ranks"] if r["rank"] == rank)
         record = next(r for r in self.manifest["payloads"] if r["name"] == name)
         tensors, metadata = _decode(verify.read_verified(self.files, record), name)
-        if fmt.COMPILED_ARTIFACTS_TENSOR not in tensors:
+        if fmt.COMPILE_KEY_METADATA not in metadata:
             return None
-        return (tensors[fmt.COMPILED_ARTIFACTS_TENSOR], json.loads(metadata.get(fmt.COMPILE_KEY_METADATA, "{}")),
+        return (tensors.get(fmt.COMPILED_ARTIFACTS_TENSOR, b""), json.loads(metadata[fmt.COMPILE_KEY_METADATA]),
                 tensors.get(fmt.TRITON_KERNELS_TENSOR, b""))
 
     def frontend_dir(self) -> Path:

@@ -59,6 +59,6 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
         if compiled_note is not None:
             _report(progress, "note", compiled_note.result())
     loaded = LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
-                         device, dtype)
+                         device, dtype, compile_layers=package.plan.get("compile", True))
     _report(progress, "stage", STAGE_ALLOCATE)          # the engine allocates the KV cache next
     return loaded

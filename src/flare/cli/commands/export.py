@@ -27,6 +27,12 @@ def configure(parser):
     parser.add_argument("--config", type=Path, metavar="PATH",
                         help="configuration file (default ~/.config/flare/config.toml)")
     parser.add_argument("--verbose", action="store_true", help="per-phase detail on stderr")
+    advanced = parser.add_argument_group("advanced")
+    advanced.add_argument("--compile-workers", type=int, metavar="N",
+                          help="CPU compiler processes for compiling forwards (overrides [preparation] "
+                               "compile_workers; default: automatic)")
+    advanced.add_argument("--no-compile", action="store_true",
+                          help="development only: capture graphs without compiling forwards")
 
 
 def run(args) -> int:
@@ -41,7 +47,7 @@ def run(args) -> int:
         max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk_size, gpus=args.gpus,
         weight_mode="no-weights" if args.no_weights else "reuse-weights" if args.reuse_weights else "normal",
         repo_id=args.repo_id, official_source=args.official_source, publisher_keys=tuple(args.publisher_key),
-        config_path=args.config)
+        config_path=args.config, compile=not args.no_compile, compile_workers=args.compile_workers)
     entry = export_model(source, recipe, options, PhaseProgress(verbose=args.verbose))
     print(entry)
     return 0
