@@ -199,3 +199,26 @@ def test_compile_workers_must_be_positive(export):
     from flare.errors import UsageError
     with pytest.raises(UsageError, match="--compile-workers 0"):
         export(compile_workers=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_export_carries_compiled_kernels_that_serving_loads(tmp_path, cache_root, approved):
+    """On a GPU, for real: export compiles and captures a tiny Llama, the package carries torch.compile's
+    artifacts and our Triton kernels under this machine's key, and loading them for serving takes them."""
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    from flare.prepare import CheckpointSource, ExportOptions, RecipeFacts, export_model
+    from flare.ui.progress import PhaseProgress
+
+    checkpoint = write_tiny_checkpoint("llama", tmp_path / "llama")         # 16-wide heads: Triton attention
+    recipe = RecipeFacts(name="llama", model_id="tiny-llama", page_size=16, prefill_chunk=64,
+                         default_concurrency=4, max_concurrency=8)
+    stream = io.StringIO()
+    entry = export_model(CheckpointSource(checkpoint), recipe, ExportOptions(cache_root=cache_root),
+                         PhaseProgress(stream=stream, styled=False))
+    assert "decoder layers compiled and warmed up" in stream.getvalue()
+    data, key, kernels = open_package(entry, approved).compiled_artifacts()
+    assert data and kernels and key == compile_cache.environment_key()
+    note = compile_cache.load_artifacts(CompiledArtifacts(data, key, kernels))
+    assert note.startswith("compiled kernels from the package")
