@@ -99,7 +99,8 @@ def kernel_names() -> set[str]:
 
 def pack_triton_kernels(cache_dir: Path, names: set[str]) -> bytes:
     """A gzip tar of the Triton cache entries (one folder each, named by its hash) that hold a compiled
-    kernel of `names`; empty when there are none."""
+    kernel of `names`; empty when there are none. Entries that older sources of the same kernels left in
+    this cache come along too: Triton never looks them up, and they cost a few hundred KiB each."""
     entries = [entry for entry in sorted(Path(cache_dir).iterdir()) if entry.is_dir()
                and any((entry / f"__grp__{name}.json").is_file() for name in names)] if Path(cache_dir).is_dir() else []
     if not entries:
