@@ -222,3 +222,27 @@ def test_a_gpu_export_carries_compiled_kernels_that_serving_loads(tmp_path, cach
     assert data and kernels and key == compile_cache.environment_key()
     note = compile_cache.load_artifacts(CompiledArtifacts(data, key, kernels))
     assert note.startswith("compiled kernels from the package")
+
+
+def test_inspect_graphs_says_what_compiled_code_the_package_carries(export, gpu_prepared, capsys):
+    import json
+
+    from flare.cli.flare import main
+
+    entry = export()
+    assert main(["inspect", str(entry), "--graphs", "--json"]) == 0
+    [rank] = json.loads(capsys.readouterr().out)["graphs"]
+    assert rank["compiled"] == {"torch_compile_bytes": len(gpu_prepared.data),
+                                "triton_kernel_bytes": len(gpu_prepared.triton_kernels), "prepared_with": KEY}
+    assert main(["inspect", str(entry), "--graphs"]) == 0
+    text = capsys.readouterr().out
+    assert "torch.compile" in text and "NVIDIA H200" in text and max(map(len, text.splitlines())) <= 80
+
+
+def test_inspect_graphs_of_a_cpu_package(export, capsys):
+    import json
+
+    from flare.cli.flare import main
+
+    assert main(["inspect", str(export()), "--graphs", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["graphs"][0]["compiled"] is None

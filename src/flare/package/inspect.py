@@ -41,7 +41,8 @@ def build_report(package: Package, options: InspectOptions) -> dict:
     if options.memory_map or options.all:
         report["memory_map"] = _memory_map(package, ranks)
     if options.graphs or options.all:
-        report["graphs"] = [{"rank": rank["rank"], "catalog": _catalog(package, rank)} for rank in ranks]
+        report["graphs"] = [{"rank": rank["rank"], "catalog": _catalog(package, rank),
+                             "compiled": _compiled(package, rank)} for rank in ranks]
     if options.frontend or options.all:
         report["frontend"] = _frontend(package)
     if options.all:
@@ -143,6 +144,25 @@ def _catalog(package: Package, rank: dict) -> dict | None:
     return None
 
 
+def _compiled(package: Package, rank: dict) -> dict | None:
+    """What the rank carries of prepared compiled code (sizes and the environment it fits); None when
+    unverified or prepared without a GPU."""
+    stored = package.compiled_artifacts(rank["rank"]) if package.trust is not None else None
+    if stored is None:
+        return None
+    data, key, triton_kernels = stored
+    return {"torch_compile_bytes": len(data), "triton_kernel_bytes": len(triton_kernels), "prepared_with": key}
+
+
+def _compiled_text(compiled: dict | None, read: bool) -> str:
+    if compiled is None:
+        return "none (prepared without a GPU)" if read else "not read (unverified)"
+    key = compiled["prepared_with"]
+    return (f"{format_bytes(compiled['torch_compile_bytes'])} torch.compile, "
+            f"{format_bytes(compiled['triton_kernel_bytes'])} Triton; for torch {key.get('torch')}, "
+            f"Triton {key.get('triton')}, CUDA {key.get('cuda')}, {key.get('gpu')} ({key.get('capability')})")
+
+
 def _memory_map(package: Package, ranks: list[dict]) -> list[dict]:
     result = []
     for rank in ranks:
@@ -239,7 +259,8 @@ def sections(report: dict) -> list[Section]:
         catalog = graphs["catalog"]
         result.append(Section(f"Graphs, rank {graphs['rank']}",
                               [("captured", _text(catalog.get("captured")) if catalog else "not read (unverified)"),
-                               ("note", _text(catalog.get("note")) if catalog else "-")]))
+                               ("note", _text(catalog.get("note")) if catalog else "-"),
+                               ("compiled kernels", _compiled_text(graphs["compiled"], catalog is not None))]))
     if "frontend" in report:
         frontend = report["frontend"]
         rows = [("tokenizer", _text(frontend["tokenizer_class"])), ("bos / eos",
