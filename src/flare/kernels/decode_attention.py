@@ -27,6 +27,18 @@ MIN_TOKENS_PER_SPLIT = 256     # a split shorter than this costs more in merging
 
 
 @triton.jit
+def online_softmax_step(acc, m, l, scores, v):
+    """Fold one block of scores (log2 units, -inf where masked) and its values into the running maximum
+    m, normaliser l and output accumulator acc; shared by decode and prefill attention."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale_log2,
@@ -74,12 +86,7 @@ def _decode_split_kernel(
                     + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2           # [BLOCK_H, BLOCK_N], log2 units
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        acc, m, l = online_softmax_step(acc, m, l, scores, v)
 
     has_tokens = l > 0
     o = acc / tl.where(has_tokens, l, 1.0)[:, None]

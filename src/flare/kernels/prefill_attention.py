@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flare.kernels.decode_attention import online_softmax_step
+
 LOG2E = 1.4426950408889634
 
 
@@ -57,12 +59,7 @@ def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head
         if MASKED:
             visible = (tokens[None, :] <= positions[:, None]) & token_mask[None, :]
             scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        acc, m, l = online_softmax_step(acc, m, l, scores, v)
     return acc, m, l
 
 
