@@ -230,19 +230,17 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: Recip
     """The GPUs to prepare on (none on the CPU), refusing before any weight loads a model whose
     estimate does not fit them: the section-6 capacity error."""
     from dataclasses import replace
-    from flare.engine.config import step_token_budget
+    from flare.engine.config import serving_scratch_bytes
     from flare.estimate import MemoryEstimate, check_estimate, choose_gpus
     from flare.memory import check_gpu_selection, engine_headroom, memory_budget, parse_gpus, read_device_memory
     from flare.memory import read_host_memory
     from flare.package import weights as wt
-    from flare.recipes.base import (graph_and_scratch_bytes, kv_bytes_per_token, live_state_bytes_per_request,
+    from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
                                     snapshot_bytes)
     estimate = MemoryEstimate(
         weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan["dtype"]),
         # What serving will set aside beside the pages, so that a package that prepares also serves here.
-        graphs_bytes=graph_and_scratch_bytes(hf_config, plan["max_concurrency"],
-                                             step_token_budget(plan["prefill_chunk"], plan["max_concurrency"])
-                                             - plan["max_concurrency"]),
+        graphs_bytes=serving_scratch_bytes(hf_config, plan["max_concurrency"], plan["prefill_chunk"]),
         live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan["page_size"],
                                                                   plan["max_model_len"]),
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),

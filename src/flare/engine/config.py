@@ -92,3 +92,12 @@ def step_token_budget(prefill_chunk: int, concurrency: int) -> int:
     `balanced` still carries at most one chunk of prompt work while anyone decodes; the room above it is
     what `throughput` may fill, so the two policies differ."""
     return 2 * prefill_chunk + concurrency
+
+
+def serving_scratch_bytes(hf_config: dict, concurrency: int, prefill_chunk: int) -> int:
+    """Graphs and scratch of a serving engine: activations for the prompt tokens a step may carry beside
+    a full decode batch, and the batch's logits (recipes.base.graph_and_scratch_bytes). Export and
+    `flare run` both set it aside before KV pages."""
+    from flare.recipes.base import graph_and_scratch_bytes
+
+    return graph_and_scratch_bytes(hf_config, concurrency, step_token_budget(prefill_chunk, concurrency) - concurrency)

@@ -14,10 +14,10 @@ filling RAM with pages would help nobody: there the pool stops at one context pe
 
 from __future__ import annotations
 
-from flare.engine.config import step_token_budget
+from flare.engine.config import serving_scratch_bytes, step_token_budget
 from flare.memory import (KV_CACHE_LIMITS, FixedCosts, KVGeometry, KVPool, engine_headroom, memory_budget,
                           parse_kv_cache_limit, parse_memory_limit, read_device_memory, size_kv_pool)
-from flare.recipes.base import graph_and_scratch_bytes, kv_bytes_per_token, live_state_bytes_per_request
+from flare.recipes.base import kv_bytes_per_token, live_state_bytes_per_request
 from flare.server.served_model import ServedModel
 
 __all__ = ["KV_CACHE_LIMITS", "KVPool", "serving_engine_config", "serving_kv_pool", "step_token_budget"]
@@ -32,9 +32,8 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
     device = read_device_memory()[0]
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     budget = memory_budget(device, engine_headroom("serving"), limit, reserve)
-    step_tokens = step_token_budget(model.prefill_chunk, concurrency)
     fixed = FixedCosts(weights=model.weight_bytes,
-                       graphs=graph_and_scratch_bytes(model.hf_config, concurrency, step_tokens - concurrency),
+                       graphs=serving_scratch_bytes(model.hf_config, concurrency, model.prefill_chunk),
                        live_state=concurrency * live_state_bytes_per_request(model.hf_config, model.page_size,
                                                                              model.max_model_len),
                        prefix_cache_floor=0)
