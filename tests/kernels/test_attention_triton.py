@@ -18,6 +18,7 @@ def backends():
 @pytest.mark.parametrize("query_lens,cached", [
     ([7, 1, 20], [0, 30, 16]),        # prefill, decode row and extend over a cached prefix in one batch
     ([1, 1, 1], [0, 15, 40]),         # pure decode: the split-K path
+    ([1, 1, 7, 20], [15, 40, 0, 16]), # decodes first, then chunks: decode kernel for two, prefill for the rest
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_backend_matches_the_reference_backend(kernel_device, query_lens, cached, dtype):
@@ -33,6 +34,7 @@ def test_triton_backend_matches_the_reference_backend(kernel_device, query_lens,
         tables.append(order[taken:taken + count])
         taken += count
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, page_size, device=kernel_device)
+    assert meta.num_decodes == (2 if query_lens[:2] == [1, 1] and len(set(query_lens)) > 1 else 0)
     cache = torch.randn(2, len(order), page_size, kv_heads, head_dim, generator=generator).to(dtype)
     tokens = sum(query_lens)
     query = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype).to(kernel_device)

@@ -22,6 +22,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     page_size: int
+    # How many leading sequences bring exactly one new token, when longer chunks follow them (a mixed
+    # step): kernels may serve those as decodes. 0 when there are none, or the batch is all decodes.
+    num_decodes: int = 0
 
     @classmethod
     def build(
@@ -49,6 +52,7 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             page_size=page_size,
+            num_decodes=leading_decodes(query_lens),
         )
 
     @property
@@ -70,6 +74,14 @@ class AttentionMetadata:
         tokens = torch.arange(self.num_tokens, device=sequence.device)
         from_end = self.query_start_loc[1:][sequence].to(torch.int64) - tokens
         return self.seq_lens[sequence].to(torch.int64) - from_end
+
+
+def leading_decodes(query_lens: list[int]) -> int:
+    """AttentionMetadata.num_decodes of a batch: its leading one-token sequences, if longer ones follow."""
+    count = 0
+    while count < len(query_lens) and query_lens[count] == 1:
+        count += 1
+    return 0 if count == len(query_lens) else count
 
 
 class AttentionBackend:

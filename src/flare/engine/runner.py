@@ -99,7 +99,7 @@ class ModelRunner:
             block_tables=tables)
 
     def _prepare(self, chunks: tuple[ScheduledChunk, ...], allocator: PageAllocator):
-        from flare.engine.attention import AttentionMetadata
+        from flare.engine.attention import AttentionMetadata, leading_decodes
 
         page_size = self.config.page_size
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
@@ -123,6 +123,7 @@ class ModelRunner:
             max_query_len=max(chunk.num_new_tokens for chunk in chunks),
             max_seq_len=max(seq_lens),
             page_size=page_size,
+            num_decodes=leading_decodes([chunk.num_new_tokens for chunk in chunks]),   # the scheduler puts decodes first
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device), meta, query_start)
