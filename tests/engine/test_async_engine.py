@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import time
+
 import pytest
 
 from flare.engine.async_engine import AsyncEngine
@@ -111,7 +113,12 @@ def test_stats_carry_the_page_check_from_when_the_core_went_idle(async_engine, t
                         SamplingParams(temperature=0, max_tokens=5)))
     stats = async_engine.stats()          # taken with the final output, when nothing was left to run
     assert (stats.num_running, stats.num_waiting, stats.kv_pages_used) == (0, 0, 0)
-    assert stats.page_integrity == "ok"
+    # The page check runs once that output is on its way (the last token does not wait for it), and
+    # its result follows in the core's next message.
+    deadline = time.monotonic() + 5
+    while async_engine.stats().page_integrity == "unchecked" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert async_engine.stats().page_integrity == "ok"
 
 
 def test_a_core_that_dies_is_reported_as_dead(stories260k, tokenizer):

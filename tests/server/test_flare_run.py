@@ -60,7 +60,9 @@ def wait_idle(server, timeout: float = 10) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = engine_stats(server)
-        if (stats["num_running"], stats["num_waiting"]) == (0, 0) or time.monotonic() > deadline:
+        idle = (stats["num_running"], stats["num_waiting"]) == (0, 0)
+        # The page check follows the outputs of the step that went idle, in the engine's next message.
+        if (idle and stats["page_integrity"] != "unchecked") or time.monotonic() > deadline:
             return stats
 
 

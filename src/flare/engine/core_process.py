@@ -55,9 +55,21 @@ def run_engine_core(factory, seed: int | None, command_address: str, output_addr
 
 
 def _build(factory, seed):
+    """The core; with FLARE_PROFILE_STARTUP=DIR set, a cProfile of building it lands in DIR (a
+    diagnostic for slow starts: loading, compiling and capturing all happen here)."""
     from flare.engine.factory import build_core
 
-    return build_core(factory(), seed)
+    profile_dir = os.environ.get("FLARE_PROFILE_STARTUP")
+    if not profile_dir:
+        return build_core(factory(), seed)
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(lambda: build_core(factory(), seed))
+    finally:
+        os.makedirs(profile_dir, exist_ok=True)
+        profiler.dump_stats(os.path.join(profile_dir, f"engine-start-{os.getpid()}.prof"))
 
 
 def _serve(core, commands, outputs, parent: int) -> None:
@@ -74,10 +86,13 @@ def _serve(core, commands, outputs, parent: int) -> None:
             changed, timeout = True, 0
         produced = core.step() if core.has_unfinished() else []
         if produced or changed:
-            # Going idle is a consistent moment to check the pages: every finished request has given its
-            # pages back, so a leak shows in the stats the frontend reads.
-            stats = core.stats(check_integrity=not core.has_unfinished())
-            outputs.send(pickle.dumps(("outputs", produced, stats)))
+            outputs.send(pickle.dumps(("outputs", produced, core.stats())))
+            if not core.has_unfinished():
+                # Going idle is a consistent moment to check the pages: every finished request has given
+                # its pages back, so a leak shows in the stats the frontend reads. The check walks every
+                # page (tens of ms for a large pool), so it follows the outputs: a request's last token
+                # does not wait for it.
+                outputs.send(pickle.dumps(("outputs", [], core.stats(check_integrity=True))))
 
 
 def _handle(core, message: tuple) -> tuple | None:
