@@ -12,6 +12,8 @@
 #   long        8,000-token prompts, 1 token out: time to first token
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
+#   profile-start  a restart with the engine's start under cProfile (FLARE_PROFILE_STARTUP): where it goes
+#   bench       `ignition bench` of the checkpoint (stops the server; later serve phases need a restart)
 # Environment: PY (python, default python3), OUT (also packed into OUT/results.tgz), WORK (scratch, default
 # /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
 # MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl).
@@ -125,6 +127,18 @@ for phase in $PHASES; do
     throughput) bench throughput --input-len 1000 --output-len 1000 --concurrency 256 --prompts-per-concurrency 1 \
                   --min-prompts 256 --warmup-requests 0 ;;
     restart) stop_server; log "flare run again"; start_server restart && restart_s=$startup_s ;;
+    profile-start)   # a restart whose engine start is profiled (cProfile), then its costliest calls
+      stop_server; log "flare run, engine start profiled"
+      FLARE_PROFILE_STARTUP=$OUT/startup-profile start_server profiled-start
+      "$PY" -c 'import glob, pstats, sys
+for path in glob.glob(sys.argv[1] + "/*.prof"):
+    pstats.Stats(path).sort_stats("cumulative").print_stats(45)' "$OUT/startup-profile" 2>&1 \
+        | grep -v '^\s*$' | cut -c1-160 | head -70 ;;
+    bench)   # ignition bench on the checkpoint (the server is stopped first: it holds the GPU's memory)
+      stop_server; log "ignition bench"
+      ignition bench "$CKPT" --batches "${BENCH_BATCHES:-1,8,32,64}" --contexts "${BENCH_CONTEXTS:-512,4096}" \
+        --seeds 0,1 --output "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+      tail -25 "$OUT/bench.log" ;;
   esac
 done
 stop_server

@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Where a step's GPU time goes: kernel-by-kernel profiles of the engine's real steps, random weights.
+
+Builds the engine at a benchmark shape (random bf16 weights in GPU memory, layers compiled, decode
+captured, as `flare run` does), then profiles each case with torch.profiler (CUDA activity):
+
+  prefill-2048    one request's first 2,048-token chunk from an empty cache
+  prompt-8192     an 8,192-token prompt through the engine's chunking, to its first token
+  prompt-8192x1   the same prompt as one 8,192-token step
+  mixed-64        64 requests decoding while a 1,000-token prompt arrives (the step that carries it)
+  decode-1, decode-64   captured decode steps at batch 1 and 64 (context 1,024)
+
+For each case it prints the wall time of the step(s), the summed kernel time, and the kernels grouped
+into classes (matmul, attention, elementwise/fused, other) with the top kernels, and writes it all as
+JSON (plus gzipped Chrome traces with --traces).
+
+    python benchmarks/profile_step.py llama-8b --output profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import SHAPES, randomize_  # noqa: E402
+
+CASES = ("prefill-2048", "prompt-8192", "prompt-8192x1", "mixed-64", "decode-1", "decode-64")
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    if any(key in lowered for key in ("gemm", "gemv", "sm90_xmma", "cutlass", "matmul", "nvjet", "splitk")):
+        return "matmul"
+    if any(key in lowered for key in ("attention", "attn", "flash", "_fwd_kernel")):
+        return "attention"
+    if lowered.startswith("triton_") or "elementwise" in lowered or "reduce" in lowered:
+        return "elementwise/fused"
+    if "memcpy" in lowered or "memset" in lowered:
+        return "copy"
+    return "other"
+
+
+def summarize(profiler, wall_s: float, steps: int) -> dict:
+    kernels: dict[str, list] = {}
+    for event in profiler.events():
+        on_device = event.device_type.name == "CUDA"
+        spent = event.device_time if on_device else event.self_cpu_time_total
+        if spent <= 0 or (not on_device and not event.name.startswith("aten::")):
+            continue
+        entry = kernels.setdefault(event.name, [0.0, 0])
+        entry[0] += spent                  # microseconds
+        entry[1] += 1
+    total_us = sum(us for us, _ in kernels.values())
+    classes: dict[str, float] = {}
+    for name, (us, _) in kernels.items():
+        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + us
+    top = sorted(kernels.items(), key=lambda item: -item[1][0])[:14]
+    return {"wall_ms": wall_s * 1000, "steps": steps, "kernel_ms": total_us / 1000,
+            "classes_ms": {k: v / 1000 for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": name[:120], "ms": us / 1000, "calls": calls} for name, (us, calls) in top]}
+
+
+def print_case(name: str, summary: dict) -> None:
+    print(f"\n== {name}: wall {summary['wall_ms']:.2f} ms over {summary['steps']} step(s), "
+          f"kernels {summary['kernel_ms']:.2f} ms", flush=True)
+    print("   " + ", ".join(f"{k} {v:.2f}" for k, v in summary["classes_ms"].items()))
+    for row in summary["top"]:
+        print(f"   {row['ms']:9.3f} ms {row['calls']:6d}x  {row['name']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--shrink", action="store_true", help="a small model of the shape's layout (script check)")
+    parser.add_argument("--traces", type=Path, default=None, help="folder for gzipped Chrome traces")
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from flare.bench import device_identity
+    from flare.engine.config import EngineConfig
+    from flare.engine.factory import attention_backend
+    from flare.engine.runner import ModelRunner
+    from flare.models import ModelConfig, build_model
+
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    if args.shrink:                                 # a small model of the same layout, to check the script
+        shape.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, vocab_size=1024)
+    cfg = ModelConfig.from_hf_config(shape)
+    device = "cuda" if torch.cuda.is_available() else "cpu"      # the CPU runs only check the script
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model(cfg, dtype, device, attention_backend(device, cfg.head_dim))
+    randomize_(model)
+    page_size, max_len = 16, 8192 + 512
+    config = EngineConfig(max_concurrency=72, page_size=page_size, num_pages=80 * (max_len // page_size),
+                          prefill_chunk=2048, max_num_batched_tokens=2 * 2048 + 72, max_model_len=max_len,
+                          enable_prefix_caching=False)
+    started = time.perf_counter()
+    if not args.no_compile and device == "cuda":
+        from flare.engine.compile import compile_model
+
+        compile_model(model)
+    runner = ModelRunner(model, cfg, config, device, dtype, seed=0, graphs=device == "cuda")
+    print(f"{args.shape} ({cfg.num_hidden_layers} layers): compile + capture {time.perf_counter() - started:.1f} s",
+          flush=True)
+    result = {"benchmark": "step profile", "shape": args.shape, "layers": cfg.num_hidden_layers,
+              "compiled": not args.no_compile, "device": device_identity(), "command": " ".join(sys.argv),
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cases": {}}
+    for case in args.cases.split(","):
+        summary = run_case(case, runner, config, cfg.vocab_size, args.traces)
+        result["cases"][case] = summary
+        print_case(case, summary)
+        if args.output:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def run_case(case: str, runner, config, vocab_size: int, traces: Path | None) -> dict:
+    import dataclasses
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flare.engine.core import EngineCore
+    from flare.engine.request import EngineRequest
+    from flare.engine.sampling_params import SamplingParams
+
+    generator = torch.Generator().manual_seed(CASES.index(case))
+    on_cuda = runner.device.type == "cuda"
+    synchronize = torch.cuda.synchronize if on_cuda else (lambda: None)
+
+    def prompt(n):
+        return tuple(torch.randint(3, vocab_size, (n,), generator=generator).tolist())
+
+    one_step = dataclasses.replace(config, prefill_chunk=8192, max_num_batched_tokens=8192 + 64)
+    core = EngineCore(one_step if case == "prompt-8192x1" else config, runner, eos_token_ids=())
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+
+    def until_first_token(request_id):
+        steps = 0
+        while core.requests[request_id].num_output_tokens == 0:
+            core.step()
+            steps += 1
+        return steps
+
+    decoding = {"decode-1": 1, "decode-64": 64, "mixed-64": 64}.get(case, 0)
+    for i in range(decoding):
+        core.add_request(EngineRequest(f"d{i}", prompt(1024), params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    prompt_case = case in ("prefill-2048", "prompt-8192", "prompt-8192x1", "mixed-64")
+    length = {"prefill-2048": 2048, "mixed-64": 1000}.get(case, 8192)
+
+    def run_once(request_id):
+        """The case's step(s); the wall time ends when the GPU is done."""
+        if prompt_case:
+            core.add_request(EngineRequest(request_id, prompt(length), params))
+        synchronize()
+        started = time.perf_counter()
+        if case.startswith("prompt-8192"):
+            steps = until_first_token(request_id)
+        else:
+            steps = 1 if prompt_case else 10
+            for _ in range(steps):
+                core.step()
+        synchronize()
+        wall = time.perf_counter() - started
+        if prompt_case:
+            if core.requests[request_id].num_output_tokens == 0:
+                raise RuntimeError(f"{case}: the prompt did not reach its first token in {steps} step(s)")
+            core.abort([request_id])
+        return wall, steps
+
+    run_once("warm")                                 # every kernel and compiled shape of the case once
+    wall, steps = run_once("timed")                  # unprofiled wall time
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as profiler:
+        run_once("profiled")
+    core.abort(list(core.requests))
+    if traces is not None:
+        traces.mkdir(parents=True, exist_ok=True)
+        path = traces / f"{case}.json"
+        profiler.export_chrome_trace(str(path))
+        with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+            packed.write(raw.read())
+        path.unlink()
+    return summarize(profiler, wall, steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
