@@ -139,13 +139,20 @@ def test_the_packed_kernels_are_flare_s_own():
 
 
 def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, monkeypatch):
-    """The preparation warm-up on the CPU: the same engine set-up and request as on a GPU (a full
-    prefill chunk, a shorter remainder, then decoding), where nothing is compiled or captured, so it
-    keeps no artifacts."""
-    seen = {}
+    """The preparation warm-up on the CPU: the same engine set-up and requests as on a GPU (a full
+    prefill chunk, a shorter remainder, then decoding beside a second prompt: a mixed step), where
+    nothing is compiled or captured, so it keeps no artifacts."""
+    seen = {"mixed_steps": 0}
     real_warm_up = compile_cache.warm_up
 
     def observed(core, vocab_size, prompt_tokens):
+        def execute(scheduled, allocator, real_execute=core.runner.execute):
+            lengths = [chunk.num_new_tokens for chunk in scheduled.chunks]
+            if 1 in lengths and max(lengths) > 1:
+                seen["mixed_steps"] += 1
+            return real_execute(scheduled, allocator)
+
+        core.runner.execute = execute
         real_warm_up(core, vocab_size, prompt_tokens)
         seen.update(prompt_tokens=prompt_tokens, stats=core.stats(check_integrity=True))
 
@@ -155,7 +162,9 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
     assert prepared.artifacts is None and prepared.captured_sizes == ()
     assert seen["prompt_tokens"] == 64 + 32 + 1
     stats = seen["stats"]
-    assert stats.num_computed_tokens == 97 + 1 and (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_computed_tokens == (97 + 1) + (compile_cache.WARM_UP_SHORT_PROMPT + 1)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert seen["mixed_steps"] == 1                     # the second prompt arrived while the first decoded
     assert stats.page_integrity == "ok"
 
 

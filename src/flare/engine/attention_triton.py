@@ -38,9 +38,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty_like(query)
     decode_attention(query[:num_decodes], k_cache, v_cache, block_tables[:num_decodes], seq_lens[:num_decodes],
                      scale, decode_splits, out=out[:num_decodes])
-    # The prefill kernel indexes the flattened batch by query_start_loc, which stays absolute.
-    prefill_attention(query, k_cache, v_cache, query_start_loc[num_decodes:], seq_lens[num_decodes:],
-                      block_tables[num_decodes:], scale, max_query_len=max_query_len, out=out)
+    # Not slices of the metadata: offset pointers would change the kernel's alignment specialization
+    # with every count of decodes, each one a compile in the middle of serving.
+    prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                      max_query_len=max_query_len, out=out, first_seq=num_decodes)
     return out
 
 

@@ -134,18 +134,31 @@ def unpack_triton_kernels(data: bytes, cache_dir: Path) -> int:
     return added
 
 
+WARM_UP_SHORT_PROMPT = 40    # the second warm-up request: prefilled while the first one decodes
+
+
 def warm_up(core, vocab_size: int, prompt_tokens: int) -> None:
-    """Run one greedy request of `prompt_tokens` random ids and two output tokens through `core`: it
-    compiles the prefill shapes (full chunks and a remainder) and replays a decode graph."""
+    """Run greedy requests of random ids through `core`: one of `prompt_tokens` and two output tokens
+    compiles the prefill shapes (full chunks and a remainder) and replays a decode graph; when the
+    engine runs two requests at once, a short second one arrives as the first decodes, so a mixed step
+    (decode and prefill kernels in one step) is compiled too."""
     from flare.engine.request import EngineRequest
     from flare.engine.sampling_params import SamplingParams
 
     ids = random.Random(0)                               # the same warm-up every time
-    prompt = tuple(ids.randrange(3, max(4, vocab_size)) for _ in range(prompt_tokens))
-    core.add_request(EngineRequest("flare-warm-up", prompt,
-                                   SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+
+    def request(name: str, length: int) -> EngineRequest:
+        prompt = tuple(ids.randrange(3, max(4, vocab_size)) for _ in range(length))
+        return EngineRequest(name, prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+
+    core.add_request(request("flare-warm-up", prompt_tokens))
+    short_pending = core.config.max_concurrency > 1
     while core.has_unfinished():
         core.step()
+        first = core.requests.get("flare-warm-up")
+        if short_pending and first is not None and first.num_output_tokens == 1:
+            core.add_request(request("flare-warm-up-mixed", WARM_UP_SHORT_PROMPT))
+            short_pending = False
 
 
 @dataclass(frozen=True)
@@ -173,8 +186,9 @@ def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda",
     chunk = plan["prefill_chunk"]
     prompt_tokens = chunk + chunk // 2 + 1               # a full chunk, then a remainder of another size
     max_model_len = prompt_tokens + 2
+    pages = -(-max_model_len // plan["page_size"]) + -(-(WARM_UP_SHORT_PROMPT + 2) // plan["page_size"])
     config = EngineConfig(max_concurrency=plan["max_concurrency"], page_size=plan["page_size"],
-                          num_pages=-(-max_model_len // plan["page_size"]), prefill_chunk=chunk,
+                          num_pages=pages, prefill_chunk=chunk,
                           max_num_batched_tokens=max(chunk, plan["max_concurrency"]),
                           max_model_len=max_model_len, enable_prefix_caching=False)
     if compile_workers is not None:

@@ -38,7 +38,9 @@ def online_softmax_step(acc, m, l, scores, v):
     return acc, m_new, l
 
 
-@triton.jit
+# The split count, and the strides that follow from it and from the block table's width, vary between
+# steps outside the graphs (mixed steps): not specialized, so one compiled variant serves them all.
+@triton.jit(do_not_specialize=["stride_bt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale_log2,
@@ -96,7 +98,7 @@ def _decode_split_kernel(
     tl.store(mid_lse_ptr + seq * stride_mlb + heads * stride_mlh + split, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "num_splits"])
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     stride_mob, stride_moh, stride_mos,

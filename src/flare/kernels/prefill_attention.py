@@ -63,10 +63,12 @@ def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head
     return acc, m, l
 
 
-@triton.jit
+# Integer arguments that vary from step to step are not specialized: every value would otherwise
+# compile its own variant (1 and multiples of 16 get one each) in the middle of serving.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale_log2,
+    qk_scale_log2, first_seq,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -74,7 +76,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
     q_block = tl.num_programs(2) - 1 - tl.program_id(2)           # the longest rows first: a shorter tail
     kv_head = head // GROUP
@@ -139,11 +141,13 @@ def _write_kv_kernel(
 
 
 def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                      max_query_len: int, out=None, *, block_m: int | None = None, block_n: int | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None):
+                      max_query_len: int, out=None, *, first_seq: int = 0, block_m: int | None = None,
+                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
     """Causal attention of each sequence's new tokens over its paged context; returns out [T, Hq, D].
 
-    block_m/block_n (query and key tile), num_warps and num_stages are tuning knobs for benchmarks."""
+    `first_seq`: sequences before it are left alone (a mixed step serves them as decodes); their rows
+    of `out` are not written. block_m/block_n (query and key tile), num_warps and num_stages are
+    tuning knobs for benchmarks."""
     import torch
 
     _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
@@ -154,7 +158,9 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
-    if num_tokens == 0 or batch == 0:
+    if not 0 <= first_seq <= batch:
+        raise ValueError(f"first_seq {first_seq} is outside the batch of {batch} sequences")
+    if num_tokens == 0 or batch == first_seq:
         return out
     on_cpu = q.device.type == "cpu"                               # small tiles keep the interpreter fast
     # GPU tiles for 2-byte types: the best of a sweep on an H200 (benchmarks/results/prefill_sweep.json),
@@ -168,10 +174,10 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     else:
         tiles, launch = (128, 128), {"num_warps": num_warps or 8, "num_stages": num_stages or 3}
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
-    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    grid = (batch - first_seq, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E,
+        scale * LOG2E, first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
