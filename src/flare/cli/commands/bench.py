@@ -70,7 +70,8 @@ def run(args) -> int:
 
 
 def build_target(args, concurrency: int, max_context: int):
-    """The model's complete decode step on one GPU, with Triton attention: (target, configuration)."""
+    """The model's complete decode step on one GPU as served: Triton attention, decoder layers compiled,
+    the step captured as a CUDA graph. Returns (target, configuration)."""
     import torch
 
     from flare.memory import parse_gpus
@@ -87,11 +88,14 @@ def build_target(args, concurrency: int, max_context: int):
     from flare.engine.attention_triton import TritonBackend
     from flare.models import load_checkpoint
 
+    from flare.engine.compile import compile_model
+
     cfg, model = load_checkpoint(directory, torch.bfloat16, "cuda", TritonBackend())
+    compile_model(model)                       # the decoder layers as `flare run` executes them
     target = ModelDecodeTarget(model, cfg, max_batch=concurrency, max_context=max_context)
     configuration = {"model": str(args.model), "checkpoint": str(directory), "architecture": cfg.architecture,
                      "dtype": "bfloat16", "attention": "triton", "page_size": target.page_size,
-                     "graphs": True, "sampling": "greedy", "gpus": list(gpus)}
+                     "compiled_layers": True, "graphs": True, "sampling": "greedy", "gpus": list(gpus)}
     return target, configuration
 
 
