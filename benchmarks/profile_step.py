@@ -35,6 +35,8 @@ CASES = ("prefill-2048", "prompt-8192", "prompt-8192x1", "mixed-64", "decode-1",
 
 def kernel_class(name: str) -> str:
     lowered = name.lower()
+    if "splitkreduce" in lowered:                   # cuBLAS's split-K reduction belongs to its product
+        return "matmul"
     if any(key in lowered for key in ("gemm", "gemv", "sm90_xmma", "cutlass", "matmul", "nvjet", "splitk")):
         return "matmul"
     if any(key in lowered for key in ("attention", "attn", "flash", "_fwd_kernel", "_prefill_kernel",
