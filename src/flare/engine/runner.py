@@ -113,6 +113,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + chunk.num_new_tokens)
             seq_lens.append(end)
         width = max(len(table) for table in tables)
+        query_lens = [chunk.num_new_tokens for chunk in chunks]
         block_tables = [table + [0] * (width - len(table)) for table in tables]
         device = self.device
         meta = AttentionMetadata(
@@ -120,10 +121,10 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_query_len=max(chunk.num_new_tokens for chunk in chunks),
+            max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             page_size=page_size,
-            num_decodes=leading_decodes([chunk.num_new_tokens for chunk in chunks]),   # the scheduler puts decodes first
+            num_decodes=leading_decodes(query_lens),          # the scheduler puts decodes first
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device), meta, query_start)

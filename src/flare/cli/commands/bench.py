@@ -86,9 +86,8 @@ def build_target(args, concurrency: int, max_context: int):
 
     from flare.bench_model import ModelDecodeTarget
     from flare.engine.attention_triton import TritonBackend
-    from flare.models import load_checkpoint
-
     from flare.engine.compile import compile_model
+    from flare.models import load_checkpoint
 
     cfg, model = load_checkpoint(directory, torch.bfloat16, "cuda", TritonBackend())
     compile_model(model)                       # the decoder layers as `flare run` executes them
