@@ -13,8 +13,7 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = REPO_ROOT.parent / "shared"
-STORIES260K = SHARED / "fixtures" / "stories260k"
+STORIES260K = REPO_ROOT / "tests" / "fixtures" / "stories260k"
 
 
 def pytest_configure(config):
@@ -47,5 +46,5 @@ def restore_environment():
 @pytest.fixture(scope="session")
 def stories260k() -> Path:
     if not STORIES260K.is_dir():
-        pytest.fail(f"the stories260k fixture is missing at {STORIES260K} (shared/ must sit beside the checkout)")
+        pytest.fail(f"the stories260k fixture is missing at {STORIES260K}; the repository ships it, restore it with git")
     return STORIES260K

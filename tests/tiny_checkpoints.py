@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "stories260k"
+STORIES260K = Path(__file__).resolve().parent / "fixtures" / "stories260k"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
