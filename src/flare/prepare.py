@@ -17,6 +17,7 @@ from flare.errors import UsageError
 from flare.package.export import ExportHooks, ExportSpec, export_entry
 from flare.package.signing import publishing_identity
 from flare.package.store import ModelCache, model_key_for
+from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
 from flare.ui.progress import PhaseProgress, format_bytes
 
 
@@ -33,7 +34,7 @@ class RecipeFacts:
     default_concurrency: int = 8
     max_concurrency: int = 64
     tensor_parallel_sizes: tuple[int, ...] = (1,)
-    decode_capacities: tuple[int, ...] = ()
+    decode_capacities: tuple[int, ...] = DECODE_CAPACITIES
     dtype: str | None = None
     sampling_defaults: dict = field(default_factory=dict)
     sampling_ranges: dict = field(default_factory=dict)
@@ -171,7 +172,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
             sampling={"defaults": _sampling_defaults(recipe, source.directory), "ranges": recipe.sampling_ranges},
             license=_license(source), tensor_parallel=tensor_parallel,
             preparation={"device": device, "phases": progress.summary()},
-            graphs=_graph_catalog(prepared), compiled=prepared.artifacts if prepared else None)
+            graphs=_graph_catalog(plan), compiled=prepared.artifacts if prepared else None)
         entry = export_entry(spec, cache, identity, options.weight_mode, reuse_from, ExportHooks(on_payload))
         phase.done(f"{counts['written']} payloads written, {counts['reused']} reused, "
                    f"{format_bytes(counts['bytes'])}; signed by {identity.namespace}")
@@ -210,10 +211,11 @@ def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: Phase
     return prepared
 
 
-def _graph_catalog(prepared) -> dict:
-    if prepared is None:
-        return {"captured": [], "note": "CUDA graphs need a GPU; decode runs eagerly"}
-    return {"captured": list(prepared.captured_sizes), "note": "decode graphs are captured when serving starts"}
+def _graph_catalog(plan: dict) -> dict:
+    """The decode graph catalog of each rank: the plan's sizes, which serving captures exactly."""
+    return {"captured": list(plan["decode_capacities"]),
+            "note": "captured when serving starts on a GPU whose attention runs the Triton kernels; "
+                    "otherwise decode runs eagerly"}
 
 
 def _device(gpus: str | None) -> str:
@@ -304,17 +306,9 @@ def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_co
     if options.prefill_chunk is not None and (chunk <= 0 or chunk % 64):
         raise UsageError(f"--prefill-chunk-size {chunk} must be a positive multiple of 64")
     return {"dtype": dtype, "page_size": recipe.page_size, "prefill_chunk": chunk, "compile": options.compile,
-            "max_concurrency": concurrency, "decode_capacities": _capacities(recipe, concurrency),
+            "max_concurrency": concurrency, "decode_capacities": list(decode_capacities_for(recipe.decode_capacities, concurrency)),
             "max_model_len": hf_config.get("max_position_embeddings"),
             "memory_reserve_bytes": settings.memory_reserve_bytes}
-
-
-def _capacities(recipe: RecipeFacts, concurrency: int) -> list[int]:
-    """Decode batch sizes 1 through concurrency, rounded up to the recipe's captured set."""
-    captured = sorted(recipe.decode_capacities) or [2 ** i for i in range(12)]
-    covering = [size for size in captured if size >= concurrency]
-    top = covering[0] if covering else concurrency
-    return [size for size in captured if size < top] + [top]
 
 
 def _sampling_defaults(recipe: RecipeFacts, checkpoint_dir: Path) -> dict:

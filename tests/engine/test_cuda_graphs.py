@@ -8,12 +8,13 @@ import torch
 
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore
-from flare.engine.cuda_graphs import DecodeBatch, DecodeGraphs, bucket_for, capture_sizes
+from flare.engine.cuda_graphs import DecodeBatch, DecodeGraphs, bucket_for
 from flare.engine.factory import load_checkpoint_model
 from flare.engine.llm_engine import LLMEngine
 from flare.engine.runner import ModelRunner
 from flare.engine.sampling_params import SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
+from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
 from tiny_checkpoints import write_tiny_checkpoint
 
 CONFIG = EngineConfig(max_concurrency=6, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=8,
@@ -33,18 +34,8 @@ def engine(directory, device="cpu", dtype="float32", config=CONFIG, compiled=Fal
     return LLMEngine(EngineCore(config, runner, loaded.eos_token_ids), load_tokenizer(directory))
 
 
-def test_catalog_covers_one_to_max_concurrency_rounded_up():
-    assert capture_sizes(1) == (1,)
-    assert capture_sizes(3) == (1, 2, 3)
-    assert capture_sizes(6) == (1, 2, 4, 8)
-    assert capture_sizes(20) == (1, 2, 4, 8, 16, 24)
-    assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
-    with pytest.raises(ValueError):
-        capture_sizes(0)
-
-
 def test_bucket_is_the_smallest_captured_size_that_holds_the_batch():
-    sizes = capture_sizes(64)
+    sizes = decode_capacities_for(DECODE_CAPACITIES, 64)
     assert [bucket_for(b, sizes) for b in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 40, 64]
     assert bucket_for(65, sizes) is None
 

@@ -31,14 +31,14 @@ def gpu_prepared(monkeypatch):
 def test_export_stores_the_compiled_artifacts_and_catalog(export, approved, gpu_prepared):
     package = open_package(export(), approved)
     assert CompiledArtifacts(*package.compiled_artifacts()) == gpu_prepared
-    assert list(package.graph_catalogs.values()) == [
-        {"captured": [1, 2, 4], "note": "decode graphs are captured when serving starts"}]
+    assert [catalog["captured"] for catalog in package.graph_catalogs.values()] == [[1, 2, 4]]
 
 
 def test_a_cpu_export_carries_no_compiled_artifacts(export, approved):
     package = open_package(export(), approved)
     assert package.compiled_artifacts() is None
-    assert list(package.graph_catalogs.values())[0]["captured"] == []
+    # The catalog is the plan's: a GPU that serves the package captures exactly these sizes.
+    assert list(package.graph_catalogs.values())[0]["captured"] == package.plan["decode_capacities"] == [1, 2, 4]
 
 
 def test_tampered_artifacts_are_refused(export, gpu_prepared):
@@ -157,7 +157,8 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
         seen.update(prompt_tokens=prompt_tokens, stats=core.stats(check_integrity=True))
 
     monkeypatch.setattr(compile_cache, "warm_up", observed)
-    plan = {"dtype": "float32", "page_size": 16, "prefill_chunk": 64, "max_concurrency": 4}
+    plan = {"dtype": "float32", "page_size": 16, "prefill_chunk": 64, "max_concurrency": 4,
+            "decode_capacities": [1, 2, 4]}
     prepared = compile_cache.prepare_compiled(stories260k, plan, device="cpu")
     assert prepared.artifacts is None and prepared.captured_sizes == ()
     assert seen["prompt_tokens"] == 64 + 32 + 1

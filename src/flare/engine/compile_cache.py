@@ -190,7 +190,8 @@ def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda",
     config = EngineConfig(max_concurrency=plan["max_concurrency"], page_size=plan["page_size"],
                           num_pages=pages, prefill_chunk=chunk,
                           max_num_batched_tokens=max(chunk, plan["max_concurrency"]),
-                          max_model_len=max_model_len, enable_prefix_caching=False)
+                          max_model_len=max_model_len, enable_prefix_caching=False,
+                          decode_graph_sizes=tuple(plan["decode_capacities"]))
     if compile_workers is not None:
         import torch._inductor.config as inductor
 

@@ -1,4 +1,4 @@
-"""The engine's own settings: batch shape, KV pages, length limits and scheduler policy.
+"""The engine's own settings: batch shape, decode graph sizes, KV pages, length limits and scheduler policy.
 
 Frozen: built once per engine. `engine_config_for_pool` turns a startup KV pool sizing
 (`flare.memory.size_kv_pool`) into an EngineConfig that says which limit bound the pool.
@@ -28,8 +28,12 @@ class EngineConfig:
     scheduler_policy: SchedulerPolicy = field(default_factory=SchedulerPolicy)
     prepared_concurrency: int | None = None   # the package's captured capacity; None: no package
     kv_pool_limited_by: KVPoolLimit = "memory"   # what bound num_pages at startup (for the report)
+    # The decode batch sizes the runner captures as graphs: a package's plan records them
+    # (`recipes.base.decode_capacities_for`); empty means the standard catalog for max_concurrency.
+    decode_graph_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self._settle_graph_sizes()
         for name in ("max_concurrency", "page_size", "num_pages", "prefill_chunk",
                      "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
@@ -54,6 +58,24 @@ class EngineConfig:
                 f"{self.page_size}), fewer than max_model_len {self.max_model_len}; "
                 "add pages or lower max_model_len")
 
+    def _settle_graph_sizes(self) -> None:
+        from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
+
+        if self.max_concurrency < 1:
+            return                                 # reported with the other settings below
+        sizes = tuple(self.decode_graph_sizes)
+        if not sizes:
+            if self.max_concurrency > DECODE_CAPACITIES[-1]:
+                raise UsageError(f"engine setting max_concurrency {self.max_concurrency} exceeds the largest "
+                                 f"standard decode graph ({DECODE_CAPACITIES[-1]}); give decode_graph_sizes")
+            sizes = decode_capacities_for(DECODE_CAPACITIES, self.max_concurrency)
+        if list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise UsageError(f"decode_graph_sizes {list(sizes)} must be distinct positive sizes in rising order")
+        if sizes[-1] < self.max_concurrency:
+            raise UsageError(f"decode_graph_sizes {list(sizes)} hold at most {sizes[-1]} requests, fewer than "
+                             f"max_concurrency {self.max_concurrency}")
+        object.__setattr__(self, "decode_graph_sizes", sizes)   # settled once, while it is built
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
@@ -67,7 +89,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                            max_num_batched_tokens: int | None = None,
                            prepared_concurrency: int | None = None,
                            scheduler_policy: SchedulerPolicy | None = None,
-                           enable_prefix_caching: bool = True) -> EngineConfig:
+                           enable_prefix_caching: bool = True,
+                           decode_graph_sizes: tuple[int, ...] = ()) -> EngineConfig:
     """The EngineConfig for a KV pool sized at startup (`flare.memory.KVPool`: pages, page_size, limited_by).
 
     The pool is the shared page supply for active requests and cached history. The served context is
@@ -83,7 +106,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                         prefill_chunk=prefill_chunk, max_num_batched_tokens=budget, max_model_len=served_context,
                         enable_prefix_caching=enable_prefix_caching,
                         scheduler_policy=scheduler_policy or SchedulerPolicy(),
-                        prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by)
+                        prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by,
+                        decode_graph_sizes=decode_graph_sizes)
 
 
 def step_token_budget(prefill_chunk: int, concurrency: int) -> int:

@@ -1,8 +1,9 @@
 """Decode steps replayed as CUDA graphs, one per captured batch size (the graph catalog).
 
 A decode step is hundreds of small kernels; launched one by one from Python, their launch gaps cost
-more than the weights take to read. A captured graph launches them all at once. Graphs replay on
-fixed addresses, so the step's inputs live in static buffers sized for the largest batch: each step
+more than the weights take to read. A captured graph launches them all at once. The sizes captured
+are `EngineConfig.decode_graph_sizes`, which a package's plan records. Graphs replay on fixed
+addresses, so the step's inputs live in static buffers sized for the largest batch: each step
 copies its rows in, pads the rest up to the smallest captured size that holds the batch, and
 replays. Padded rows read token 0 at position 0, write their K/V into a dummy slot that no request
 owns, and have an empty context (their attention output is zero); their logits are never read.
@@ -21,19 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-SMALL_SIZES = (1, 2, 4)
-SIZE_STEP = 8
-
-
-def capture_sizes(max_concurrency: int) -> tuple[int, ...]:
-    """The graph catalog: 1, 2, 4, then multiples of 8 up to max_concurrency rounded up to one."""
-    if max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
-    largest = max_concurrency if max_concurrency <= SMALL_SIZES[-1] else -(-max_concurrency // SIZE_STEP) * SIZE_STEP
-    sizes = [size for size in SMALL_SIZES if size < largest]
-    sizes += range(SIZE_STEP, largest, SIZE_STEP)
-    return (*sizes, largest)
 
 
 def runs_triton_attention(model) -> bool:

@@ -47,10 +47,10 @@ class ModelRunner:
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
 
     def _build_graphs(self, capture: bool):
-        from flare.engine.cuda_graphs import DecodeGraphs, capture_sizes
+        from flare.engine.cuda_graphs import DecodeGraphs
 
         config = self.config
-        graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(config.max_concurrency),
+        graphs = DecodeGraphs(self.model, self.kv_caches, config.decode_graph_sizes,
                               max_pages=config.max_pages_per_request, page_size=config.page_size,
                               dummy_slot=config.num_pages * config.page_size, max_seq_len=config.max_model_len,
                               capture=capture)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 BF16_BYTES = 2
 FLOAT32_BYTES = 4
@@ -134,6 +134,22 @@ def sampling_ranges(**narrowed: tuple[float, float]) -> dict[str, tuple[float, f
 DECODE_CAPACITIES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
+def decode_capacities_for(capacities: Sequence[int], max_concurrency: int) -> tuple[int, ...]:
+    """The graph batch sizes for `max_concurrency` requests (spec section 4, "Decode graph capacities"):
+    1 through max_concurrency, rounded up to the captured set `capacities`, so concurrency three takes the
+    batch-four bucket. The one definition: the recipe's help, the plan an export records, the engine
+    configuration and the graphs captured all come from it.
+    """
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+    ordered = tuple(sorted(set(capacities)))
+    last = bisect.bisect_left(ordered, max_concurrency)
+    if last == len(ordered):
+        raise ValueError(f"no captured batch size holds {max_concurrency} requests; the largest is "
+                         f"{ordered[-1] if ordered else 'none'}")
+    return ordered[: last + 1]
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Everything the command line does not need to know about a model family (spec section 9)."""
@@ -173,8 +189,7 @@ class Recipe:
 
     def decode_capacities_for(self, max_concurrency: int) -> tuple[int, ...]:
         """Captured batch sizes up to the first one that holds `max_concurrency` requests."""
-        last = bisect.bisect_left(self.decode_capacities, max_concurrency)
-        return self.decode_capacities[: last + 1]
+        return decode_capacities_for(self.decode_capacities, max_concurrency)
 
     # The recipe's memory cost model (spec section 9); every family here is a dense decoder, so all
     # share the functions below. A family with other state (sliding windows, MTP heads) overrides these.

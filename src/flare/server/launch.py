@@ -242,7 +242,8 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         prepared_concurrency=int(plan["max_concurrency"]), max_model_len=int(max_model_len),
         weight_bytes=weight_bytes, iter_weights=package.iter_weights,
         sampling=SamplingPolicy(sampling.get("defaults") or {}, sampling.get("ranges") or {}),
-        memory_reserve_bytes=int(plan.get("memory_reserve_bytes") or 0), package_path=package.path)
+        memory_reserve_bytes=int(plan.get("memory_reserve_bytes") or 0), package_path=package.path,
+        decode_capacities=tuple(plan["decode_capacities"]))
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

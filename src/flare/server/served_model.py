@@ -27,3 +27,4 @@ class ServedModel:
     sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
     memory_reserve_bytes: int = 0
     package_path: Path | None = None       # set for packages: the engine runs in its own process
+    decode_capacities: tuple[int, ...] = ()  # the plan's decode graph sizes; empty: the standard catalog
