@@ -111,7 +111,7 @@ def test_sliding_window_is_refused_exactly_when_transformers_would_hide_tokens(c
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"partial_rotary_factor": 0.5}, "partial rotary"),
         ({"vocab_size": None}, "no 'vocab_size'"),
-        ({"quantization_config": {"quant_method": "fp8"}}, r"quantized checkpoints \(fp8\)"),
+        ({"quantization_config": {"quant_method": "awq"}}, r"quantized checkpoints \(awq\) are not supported"),
     ],
 )
 def test_what_we_cannot_run_is_a_usage_error_saying_what(fields, message):

@@ -45,26 +45,28 @@ class CausalLM(nn.Module):
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load every parameter from `(checkpoint name, tensor)` pairs; fail naming any tensor that does not fit."""
         params = dict(self.named_parameters())
-        expected = {name for param_name in params for name in checkpoint_names(param_name, params[param_name])}
+        targets = {name: (param, shard) for param_name, param in params.items()
+                   for name, shard in checkpoint_targets(param_name, param)}
+        unused = unused_checkpoint_names(self)
         loaded: set[str] = set()
         separate_head = None
         for name, tensor in weights:
-            if IGNORED_TENSORS.match(name):
+            if IGNORED_TENSORS.match(name) or name in unused:
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 # Tied embeddings: decided once the embedding is loaded. A copy, because weight sources may
                 # reuse their buffers for later tensors (flare.package.weights.iter_tensors_pinned).
                 separate_head = tensor.clone()
                 continue
-            param_name, shard = parameter_for(name)
-            if name not in expected or param_name not in params:
-                raise WeightError(f"checkpoint tensor {name} is not part of this {type(self).__name__} model")
+            if name not in targets:
+                raise WeightError(f"checkpoint tensor {name} is not part of this {type(self).__name__} model"
+                                  + _scale_hint(name))
             if name in loaded:
                 raise WeightError(f"checkpoint tensor {name} appears twice in the checkpoint")
-            param = params[param_name]
+            param, shard = targets[name]
             param.weight_loader(param, tensor, shard, name)
             loaded.add(name)
-        missing = sorted(expected - loaded)
+        missing = sorted(set(targets) - loaded)
         if missing:
             what = f"tensor {missing[0]} is" if len(missing) == 1 else f"tensors {missing[0]} and {len(missing) - 1} more are"
             raise WeightError(f"checkpoint {what} missing; the checkpoint is incomplete")
@@ -79,20 +81,35 @@ class CausalLM(nn.Module):
         self.lm_head.untie(head, "lm_head.weight")
 
 
-def parameter_for(checkpoint_name: str) -> tuple[str, str | None]:
-    """`...self_attn.k_proj.bias` -> (`...self_attn.qkv_proj.bias`, "k"); unfused names map to themselves."""
-    parts = checkpoint_name.split(".")
-    if len(parts) >= 2 and parts[-2] in FUSED_PROJECTIONS:
-        fused, shard = FUSED_PROJECTIONS[parts[-2]]
-        return ".".join([*parts[:-2], fused, parts[-1]]), shard
-    return checkpoint_name, None
+def checkpoint_targets(param_name: str, param: nn.Parameter) -> list[tuple[str, str | None]]:
+    """The checkpoint tensors that together fill one of our parameters, each with the shard it fills.
 
-
-def checkpoint_names(param_name: str, param: nn.Parameter) -> list[str]:
-    """The checkpoint tensors that together fill one of our parameters."""
+    `...self_attn.qkv_proj.bias` -> `...self_attn.q_proj.bias` ("q"), `k_proj` ("k"), `v_proj` ("v");
+    a parameter may load from a tensor named otherwise (`checkpoint_suffix`: an FP8 scale's
+    `weight_scale_inv`)."""
     parts = param_name.split(".")
+    suffix = getattr(param, "checkpoint_suffix", parts[-1])
     shards = [shard for shard in param.shards if shard is not None]
     if not shards:
-        return [param_name]
+        return [(".".join([*parts[:-1], suffix]), None)]
     by_shard = {shard: proj for proj, (fused, shard) in FUSED_PROJECTIONS.items() if fused == parts[-2]}
-    return [".".join([*parts[:-2], by_shard[shard], parts[-1]]) for shard in shards]
+    return [(".".join([*parts[:-2], by_shard[shard], suffix]), shard) for shard in shards]
+
+
+def unused_checkpoint_names(model: nn.Module) -> set[str]:
+    """Checkpoint tensors a layer accepts and does not need (`unused_tensors`: FP8 static input scales),
+    under the checkpoint's names of the projections it fuses."""
+    names = set()
+    for module_name, module in model.named_modules():
+        suffixes = getattr(module, "unused_tensors", ())
+        parts = module_name.split(".")
+        projections = [proj for proj, (fused, _) in FUSED_PROJECTIONS.items() if fused == parts[-1]] or [parts[-1]]
+        names.update(".".join([*parts[:-1], proj, suffix]) for proj in projections for suffix in suffixes)
+    return names
+
+
+def _scale_hint(name: str) -> str:
+    if name.rsplit(".", 1)[-1] in ("weight_scale_inv", "weight_scale", "input_scale"):
+        return ("; it is an FP8 scale of a projection the model keeps unquantized: the checkpoint does not match "
+                "the quantization_config of its config.json")
+    return ""

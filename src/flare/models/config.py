@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare.models.errors import UnsupportedModel
+from flare.models.quantization import Fp8Weights, check_kv_cache_dtype, fp8_weights_of, online_fp8
 
 ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0
@@ -55,6 +56,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    fp8: Fp8Weights | None = None         # where projections are FP8 (checkpoint or online); None: none are
+    kv_cache_dtype: str = "auto"          # "auto" (the serving dtype) or "fp8" (see flare.models.quantization)
 
     @property
     def q_size(self) -> int:
@@ -64,9 +67,24 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def fp8_projection(self, module: str, projections: tuple[str, ...]) -> Fp8Weights | None:
+        """The FP8 layout of the projections `module.<name>` that one fused layer holds, or None when they
+        are unquantized; refuses a checkpoint that quantizes some of them and not others."""
+        if self.fp8 is None:
+            return None
+        quantized = {self.fp8.quantizes(f"{module}.{name}") for name in projections}
+        if len(quantized) > 1:
+            raise UnsupportedModel(f"this checkpoint quantizes some of {module}'s {', '.join(projections)} to FP8 "
+                                   "and not the others; they run as one matrix product, so all or none must be")
+        return self.fp8 if quantized.pop() else None
+
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read a config.json dict; raise `UnsupportedModel` for what these models cannot run."""
+    def from_hf_config(cls, hf: dict[str, Any], *, online_fp8: tuple[str, ...] = (),
+                       kv_cache_dtype: str = "auto") -> ModelConfig:
+        """Read a config.json dict; raise `UnsupportedModel` for what these models cannot run.
+
+        `online_fp8` and `kv_cache_dtype` are the preparation's choices (recorded in the package plan):
+        the decoder projections (q_proj, ...) stored as FP8 at export, and the KV cache's format."""
         architecture = _architecture(hf)
         family = FAMILY_OF_ARCHITECTURE[architecture]
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
@@ -91,6 +109,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_token_ids(hf.get("eos_token_id")),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            fp8=_fp8_weights(hf, online_fp8),
+            kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype),
             **fields,
         )
 
@@ -217,12 +237,18 @@ def _require_common_features(hf: dict) -> None:
     activation = hf.get("hidden_act", "silu")
     if activation != "silu":
         raise UnsupportedModel(f"hidden_act {activation!r} is not supported; only 'silu' MLPs run")
-    quantization = hf.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-        raise UnsupportedModel(
-            f"quantized checkpoints ({method}) are not supported; choose an unquantized (bf16/fp16/fp32) checkpoint"
-        )
+
+
+def _fp8_weights(hf: dict, online_projections: tuple[str, ...]) -> Fp8Weights | None:
+    stored = fp8_weights_of(hf)
+    if stored is not None and online_projections:
+        raise UnsupportedModel("--online-mxfp8 converts BF16 projections, but this checkpoint's are already FP8 "
+                               f"({stored.describe()}); export it without --online-mxfp8")
+    fp8 = online_fp8(tuple(online_projections)) if online_projections else stored
+    if fp8 is not None and fp8.quantizes("lm_head"):
+        raise UnsupportedModel("this checkpoint stores lm_head in FP8, which is not supported: the LM head runs in "
+                               "the serving dtype; choose a checkpoint that ignores lm_head")
+    return fp8
 
 
 def _required(hf: dict, key: str) -> Any:

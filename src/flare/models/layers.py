@@ -13,11 +13,12 @@ from torch import nn
 
 from flare.kernels import routing
 from flare.models.errors import WeightError
+from flare.models.quantization import Fp8Weights
 
 
-def _parameter(*shape: int, shard_sizes: dict | None = None) -> nn.Parameter:
+def _parameter(*shape: int, shard_sizes: dict | None = None, dtype: torch.dtype | None = None) -> nn.Parameter:
     """An uninitialised parameter whose rows are filled by the named shards (one shard `None` when unfused)."""
-    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.shards = _shard_offsets(shard_sizes or {None: shape[0]})
     param.weight_loader = load_rows
     return param
@@ -40,7 +41,17 @@ def load_rows(param: nn.Parameter, tensor: torch.Tensor, shard, name: str) -> No
             f"checkpoint tensor {name} has shape {list(tensor.shape)} but the model expects {list(expected)}; "
             "the checkpoint does not match its config.json"
         )
+    if _is_fp8(tensor.dtype) != _is_fp8(param.dtype):
+        stored, expected = (("FP8", "unquantized") if _is_fp8(tensor.dtype) else (str(tensor.dtype).removeprefix("torch."), "FP8"))
+        raise WeightError(
+            f"checkpoint tensor {name} is {stored}, but the model expects it {expected}: the checkpoint does not "
+            "match the quantization_config of its config.json"
+        )
     param.data[start : start + size].copy_(tensor)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class RMSNorm(nn.Module):
@@ -72,27 +83,38 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def plain_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
-    return Linear(in_features, {None: out_features}, bias)
+def linear(in_features: int, shard_sizes: dict, bias: bool = False, fp8: Fp8Weights | None = None) -> nn.Module:
+    """A projection in the checkpoint's storage: `Linear`, or `Fp8Linear` when `fp8` says it is FP8."""
+    if fp8 is None:
+        return Linear(in_features, shard_sizes, bias)
+    from flare.models.fp8 import Fp8Linear
+
+    return Fp8Linear(in_features, shard_sizes, bias, fp8)
 
 
-def qkv_linear(hidden: int, q_size: int, kv_size: int, bias: bool) -> Linear:
+def plain_linear(in_features: int, out_features: int, bias: bool = False, fp8: Fp8Weights | None = None):
+    return linear(in_features, {None: out_features}, bias, fp8)
+
+
+def qkv_linear(hidden: int, q_size: int, kv_size: int, bias: bool, fp8: Fp8Weights | None = None):
     """q, k and v projections as one matmul; loads from `q_proj`, `k_proj`, `v_proj`."""
-    return Linear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+    return linear(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias, fp8)
 
 
-def gate_up_linear(hidden: int, intermediate: int) -> Linear:
+def gate_up_linear(hidden: int, intermediate: int, fp8: Fp8Weights | None = None):
     """The MLP's gate and up projections as one matmul; loads from `gate_proj`, `up_proj`."""
-    return Linear(hidden, {"gate": intermediate, "up": intermediate})
+    return linear(hidden, {"gate": intermediate, "up": intermediate}, False, fp8)
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused. `fp8`: the storage of each projection
+    (`ModelConfig.fp8_projection`), given by the model that names them."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, gate_up_fp8: Fp8Weights | None = None,
+                 down_fp8: Fp8Weights | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = gate_up_linear(hidden, intermediate)
-        self.down_proj = plain_linear(intermediate, hidden)
+        self.gate_up_proj = gate_up_linear(hidden, intermediate, gate_up_fp8)
+        self.down_proj = plain_linear(intermediate, hidden, False, down_fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -16,12 +16,14 @@ from flare.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend) -> None:
+    def __init__(self, cfg: ModelConfig, backend, prefix: str) -> None:
         super().__init__()
         self.cfg, self.backend = cfg, backend
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = qkv_linear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = plain_linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = qkv_linear(cfg.hidden_size, cfg.q_size, cfg.kv_size, bias=cfg.qkv_bias,
+                                   fp8=cfg.fp8_projection(prefix, ("q_proj", "k_proj", "v_proj")))
+        self.o_proj = plain_linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias,
+                                   fp8=cfg.fp8_projection(prefix, ("o_proj",)))
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before the rotation
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -40,12 +42,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend) -> None:
+    def __init__(self, cfg: ModelConfig, backend, prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = LlamaAttention(cfg, backend, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                            cfg.fp8_projection(f"{prefix}.mlp", ("gate_proj", "up_proj")),
+                            cfg.fp8_projection(f"{prefix}.mlp", ("down_proj",)))
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
@@ -57,7 +61,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        # Layers are named as in the checkpoint, so config.json's FP8 skip lists can name them.
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, f"model.layers.{index}")
+                                    for index in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:

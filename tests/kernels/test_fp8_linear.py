@@ -1,0 +1,121 @@
+"""The FP8 GEMV and GEMM kernels against the torch reference, for block, per-row and fused-shard scale grids."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flare.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
+from flare.kernels.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv
+from flare.kernels.fp8_reference import dequantize, fp8_linear_reference, quantize_blocks, scale_grid
+from flare.kernels.routing import MAX_ROWS
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# (n, k, row_block, col_block): 128x128 blocks with partial edge blocks (stories260k's 172-wide MLP),
+# blocks whose rows were spread to one scale per row (fused shards off the block boundary), per-row scales.
+LAYOUTS = [
+    (172, 64, 128, 128),
+    (130, 160, 128, 128),
+    (96, 172, 1, 128),
+    (48, 100, 1, 0),
+]
+GEMV_FMA = Fp8GemvConfig(block_n=16, block_k=32, use_dot=False)
+GEMV_DOT = Fp8GemvConfig(block_n=16, block_k=32, use_dot=True)
+GEMM_SMALL = Fp8GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2)
+
+
+def fp8_weight(n, k, row_block, col_block, device, seed=0):
+    """A random e4m3 weight and a scale grid with a spread of magnitudes, as a checkpoint would have."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    grid = scale_grid(n, k, row_block, col_block)
+    scale = torch.rand(grid, generator=generator) * 0.01 + 1e-4
+    return weight.to(device), scale.to(device)
+
+
+def relative_error(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check(kernel, rows, layout, dtype, device, with_bias, config):
+    n, k, row_block, col_block = layout
+    weight, scale = fp8_weight(n, k, row_block, col_block, device)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    bias = torch.randn(n, device=device).to(dtype) if with_bias else None
+    out = kernel(x, weight, scale, row_block, col_block, bias, config)
+    ref = fp8_linear_reference(x.double(), weight, scale, row_block, col_block,
+                               bias.double() if with_bias else None)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert torch.isfinite(out).all()                      # every element written (no stale memory)
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "x".join(map(str, layout)))
+@pytest.mark.parametrize("config", [GEMV_FMA, GEMV_DOT], ids=["fma", "dot"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gemv_matches_reference(kernel_device, layout, config, split_k):
+    for rows in (1, 5):
+        check(fp8_gemv, rows, layout, torch.float16, kernel_device, with_bias=rows == 1,
+              config=replace(config, split_k=split_k))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gemv_in_float32(kernel_device, rows):
+    check(fp8_gemv, rows, (40, 256, 8, 0), torch.float32, kernel_device, with_bias=True,
+          config=replace(GEMV_FMA, split_k=2))
+    check(fp8_gemv, rows, (130, 160, 128, 128), torch.float32, kernel_device, with_bias=False, config=GEMV_FMA)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, MAX_ROWS])
+def test_gemv_default_config(kernel_device, rows):
+    check(fp8_gemv, rows, (172, 64, 128, 128), torch.float16, kernel_device, with_bias=True, config=None)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "x".join(map(str, layout)))
+def test_gemm_matches_reference(kernel_device, layout):
+    check(fp8_gemm, 40, layout, torch.float16, kernel_device, with_bias=True, config=GEMM_SMALL)
+    check(fp8_gemm, 17, layout, torch.float32, kernel_device, with_bias=False, config=GEMM_SMALL)
+
+
+def test_gemm_default_config_and_leading_dimensions(kernel_device):
+    weight, scale = fp8_weight(64, 96, 1, 0, kernel_device)
+    x = torch.randn(3, 7, 96, device=kernel_device, dtype=torch.float16)
+    out = fp8_gemm(x, weight, scale, 1, 0)
+    assert out.shape == (3, 7, 64)
+    assert relative_error(out, fp8_linear_reference(x.double(), weight, scale, 1, 0)) < 2e-3
+
+
+def test_the_scale_grid_must_fit_the_weight(kernel_device):
+    weight, scale = fp8_weight(172, 64, 128, 128, kernel_device)
+    x = torch.randn(1, 64, device=kernel_device)
+    with pytest.raises(ValueError, match=r"scale must be float32 \[2, 1\]"):
+        fp8_gemv(x, weight, scale[:1], 128, 128)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm(x, weight.float(), scale, 128, 128)
+
+
+def test_quantize_blocks_round_trips_to_e4m3_precision():
+    """Every block's largest value maps to 448 and back; values come back within e4m3's relative step."""
+    weight = torch.randn(300, 172, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, 172)
+    q, scale = quantize_blocks(weight, (128, 128))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
+    back = dequantize(q, scale, 128, 128)
+    assert torch.allclose(back.abs().amax(), weight.abs().amax())
+    tiny = scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :172] * 2 ** -9
+    assert ((back - weight).abs() <= weight.abs() * 2 ** -4 + tiny).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is wrong in Triton's interpreter")
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 33, 512])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_bf16_on_gpu(rows, n, k):
+    kernel = fp8_gemv if rows <= MAX_ROWS else fp8_gemm
+    for layout in ((n, k, 128, 128), (n, k, 1, 0)):
+        check(kernel, rows, layout, torch.bfloat16, "cuda", with_bias=rows == 2, config=None)
+        if kernel is fp8_gemv:
+            config = default_config(rows, n, k)
+            check(kernel, rows, layout, torch.bfloat16, "cuda", with_bias=True,
+                  config=replace(config, use_dot=not config.use_dot))
