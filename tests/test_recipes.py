@@ -13,7 +13,7 @@ import pytest
 from flare.errors import UsageError
 from flare.recipes import registry
 from flare.recipes.base import (decode_weight_bytes, graph_and_scratch_bytes, kv_bytes_per_token,
-                                live_state_bytes_per_request, parameter_count)
+                                live_state_bytes_per_request, parameter_count, weight_bytes)
 
 HUB_CHECKPOINTS = [(recipe, checkpoint) for recipe, checkpoint in registry.all_checkpoints()
                    if checkpoint.source == "hub"]
@@ -25,7 +25,7 @@ def _ids(pairs):
 
 
 @pytest.mark.parametrize("alias", ["qwen3-0.6b", "qwen3-8b", "llama-3.1-8b-instruct", "qwen2.5-7b-instruct",
-                                   "mistral-7b-instruct-v0.3"])
+                                   "mistral-7b-instruct-v0.3", "qwen3-8b-fp8"])
 def test_the_main_real_checkpoints_are_declared_and_pinned(alias):
     recipe, checkpoint = registry.find_alias(alias)
     assert checkpoint.source == "hub"
@@ -44,11 +44,37 @@ def test_hub_checkpoints_declare_repository_revision_and_sizes(recipe, checkpoin
 
 @pytest.mark.parametrize("recipe,checkpoint", HUB_CHECKPOINTS, ids=_ids(HUB_CHECKPOINTS))
 def test_declared_stored_bytes_follow_from_the_config_shapes(recipe, checkpoint):
-    """Each declared size is bfloat16 data for the declared shapes, with or without a stored output projection."""
-    candidates = {2 * parameter_count(checkpoint.config, lm_head_stored=stored) for stored in (False, True)}
-    assert checkpoint.stored_bytes in candidates
+    """Each declared size is bfloat16 data for the declared shapes (FP8 projections one byte per weight with
+    bfloat16 scales), with or without a stored output projection; only an unpinned checkpoint may leave
+    its size undeclared."""
+    candidates = {weight_bytes(checkpoint.config, stored, scale_bytes=2) for stored in (False, True)}
+    assert checkpoint.stored_bytes in candidates or (checkpoint.stored_bytes is None and checkpoint.revision is None)
     assert checkpoint.decode_weight_bytes == decode_weight_bytes(checkpoint.config)
-    assert checkpoint.decode_weight_bytes <= checkpoint.stored_bytes
+    assert checkpoint.decode_weight_bytes <= (checkpoint.stored_bytes or float("inf"))
+
+
+@pytest.mark.parametrize("fp8, dense", [("qwen3-8b-fp8", "qwen3-8b"),
+                                        ("llama-3.1-8b-instruct-fp8", "llama-3.1-8b-instruct")])
+def test_fp8_checkpoints_read_about_half_the_bytes_of_their_bf16_originals(fp8, dense):
+    """The decoder's projections are e4m3 (one byte) plus scales; embeddings, LM head and norms stay bfloat16."""
+    quantized, original = registry.find_alias(fp8)[1], registry.find_alias(dense)[1]
+    dense_projections = original.decode_weight_bytes - 2 * original.config["vocab_size"] * original.config["hidden_size"]
+    saved = original.decode_weight_bytes - quantized.decode_weight_bytes
+    assert 0.49 * dense_projections < saved <= 0.5 * dense_projections
+
+
+def test_online_fp8_of_the_bf16_checkpoint_reads_what_the_block_fp8_checkpoint_reads():
+    online = decode_weight_bytes(registry.find_alias("qwen3-8b")[1].config,
+                                 online_fp8=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    assert online == registry.find_alias("qwen3-8b-fp8")[1].decode_weight_bytes
+
+
+def test_an_fp8_kv_cache_holds_a_byte_per_element_and_a_float32_scale_per_head(stories260k):
+    config = json.loads((stories260k / "config.json").read_text())
+    per_head = config["head_dim"] + 4
+    expected = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * per_head
+    assert kv_bytes_per_token(config, kv_cache_dtype="fp8") == expected
+    assert kv_bytes_per_token(config, kv_cache_dtype="fp8", tensor_parallel=2) == expected // 2
 
 
 def _safetensors_header(path):

@@ -27,6 +27,14 @@ _CODE_TO_TORCH = {code: name for name, code in _TORCH_TO_CODE.items()}
 
 CAST_DTYPES = ("float16", "bfloat16", "float32", "float64")     # cast to the serving dtype at export
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# FP8 scales (flare.models.quantization) are kept in float32 whatever the serving dtype: bfloat16 would
+# round a float32 scale to 3 significant digits, and the layers hold them in float32 anyway.
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+
+
+def stored_dtype(name: str, dtype: str) -> str:
+    """The dtype a floating-point checkpoint tensor is exported in."""
+    return "float32" if name.endswith(SCALE_SUFFIXES) else dtype
 
 
 def serving_bytes(files: dict[str, Path], dtype: str) -> int:
@@ -39,7 +47,7 @@ def serving_bytes(files: dict[str, Path], dtype: str) -> int:
                     continue
                 count = (entry.end - entry.start) // st.DTYPE_SIZES[entry.dtype]
                 cast = entry.dtype in ("F16", "BF16", "F32", "F64")
-                total += count * (DTYPE_BYTES[dtype] if cast else st.DTYPE_SIZES[entry.dtype])
+                total += count * (DTYPE_BYTES[stored_dtype(entry.name, dtype)] if cast else st.DTYPE_SIZES[entry.dtype])
     return total
 
 
@@ -89,7 +97,6 @@ def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str) 
     """Read one payload's tensors from the checkpoint, 16/32/64-bit floats cast to the serving dtype."""
     import torch
     from safetensors import safe_open
-    target = getattr(torch, dtype)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in names:
         by_file[files[name]].append(name)
@@ -98,6 +105,7 @@ def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str) 
         with safe_open(str(path), framework="pt") as handle:
             for name in file_names:
                 tensor = handle.get_tensor(name)
+                target = getattr(torch, stored_dtype(name, dtype))
                 if str(tensor.dtype).removeprefix("torch.") in CAST_DTYPES and tensor.dtype != target:
                     tensor = tensor.to(target)      # quantized (float8) and integer tensors keep their bytes
                 tensors[name] = tensor

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from flare.models.quantization import KV_SCALE_BYTES, fp8_weights_of
+from flare.models.quantization import online_fp8 as online_fp8_weights
+
 BF16_BYTES = 2
 FLOAT32_BYTES = 4
 INT32_BYTES = 4
@@ -167,6 +170,9 @@ class Recipe:
     sampling: SamplingDefaults
     image_support: bool = False
     version: int = 1
+    # Decoder projections `ignition export --online-mxfp8` may store as FP8 (checkpoint names: q_proj,
+    # ...); a recipe naming none rejects the flag.
+    online_fp8_projections: tuple[str, ...] = ()
     sampling_by_alias: Mapping[str, SamplingDefaults] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -223,10 +229,15 @@ def kv_heads(hf_config: Mapping[str, Any]) -> int:
 
 
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYTES,
-                       tensor_parallel: int = 1) -> int:
-    """Bytes one cached token occupies on one rank: K and V for every layer."""
+                       tensor_parallel: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one cached token occupies on one rank: K and V for every layer. `kv_cache_dtype` "fp8": one
+    byte per element and a float32 scale per KV head (flare.models.quantization), else `dtype_bytes`."""
     per_rank_kv_heads = max(1, kv_heads(hf_config) // tensor_parallel)
-    return 2 * hf_config["num_hidden_layers"] * per_rank_kv_heads * head_dim(hf_config) * dtype_bytes
+    if kv_cache_dtype == "fp8":
+        per_head = head_dim(hf_config) + KV_SCALE_BYTES
+    else:
+        per_head = head_dim(hf_config) * dtype_bytes
+    return 2 * hf_config["num_hidden_layers"] * per_rank_kv_heads * per_head
 
 
 def snapshot_bytes(hf_config: Mapping[str, Any]) -> int:
@@ -293,8 +304,44 @@ def parameter_count(hf_config: Mapping[str, Any], lm_head_stored: bool) -> int:
     return embedding + hf_config["num_hidden_layers"] * layer + hidden + head
 
 
-def decode_weight_bytes(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYTES) -> int:
+def decode_weight_bytes(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYTES,
+                        online_fp8: tuple[str, ...] = ()) -> int:
     """Weight bytes one decode step reads for one request: every matrix except the embedding table
-    (one row per token), plus the output projection once, whether tied or stored separately."""
+    (one row per token), plus the output projection once, whether tied or stored separately. FP8
+    projections (the checkpoint's, or `online_fp8`'s) count their e4m3 bytes and their scales as a
+    package stores them (float32)."""
     # The embedding table's bytes stand in for the output projection's: the same vocab x hidden shape.
-    return parameter_count(hf_config, lm_head_stored=False) * dtype_bytes
+    return weight_bytes(hf_config, False, dtype_bytes, FLOAT32_BYTES, online_fp8)
+
+
+def weight_bytes(hf_config: Mapping[str, Any], lm_head_stored: bool, dtype_bytes: int = BF16_BYTES,
+                 scale_bytes: int = FLOAT32_BYTES, online_fp8: tuple[str, ...] = ()) -> int:
+    """Bytes of a checkpoint's tensors: `dtype_bytes` per parameter, except FP8 projections (config.json's
+    quantization_config, or the decoder projections `online_fp8` names), one byte per weight and
+    `scale_bytes` per scale."""
+    fp8 = online_fp8_weights(online_fp8) if online_fp8 else fp8_weights_of(hf_config)
+    total = parameter_count(hf_config, lm_head_stored) * dtype_bytes
+    if fp8 is None:
+        return total
+    for index in range(hf_config["num_hidden_layers"]):
+        for name, (rows, columns) in projection_shapes(hf_config).items():
+            if fp8.quantizes(f"model.layers.{index}.{name}"):
+                total += rows * columns * (1 - dtype_bytes) + _scale_count(fp8, rows, columns) * scale_bytes
+    return total
+
+
+def projection_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """[out, in] of each decoder layer's projections, under their checkpoint names."""
+    hidden, intermediate = hf_config["hidden_size"], hf_config["intermediate_size"]
+    q_width = hf_config["num_attention_heads"] * head_dim(hf_config)
+    kv_width = kv_heads(hf_config) * head_dim(hf_config)
+    return {"self_attn.q_proj": (q_width, hidden), "self_attn.k_proj": (kv_width, hidden),
+            "self_attn.v_proj": (kv_width, hidden), "self_attn.o_proj": (hidden, q_width),
+            "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+            "mlp.down_proj": (hidden, intermediate)}
+
+
+def _scale_count(fp8, rows: int, columns: int) -> int:
+    if fp8.granularity == "block":
+        return -(-rows // fp8.block[0]) * -(-columns // fp8.block[1])
+    return rows if fp8.granularity == "channel" else 1

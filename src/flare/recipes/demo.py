@@ -3,6 +3,7 @@ locally (tokenizer and weights trained on the CPU), so the first run needs no do
 
 from __future__ import annotations
 
+from flare.models.quantization import DECODER_PROJECTIONS
 from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
                                 Speculation, sampling_ranges)
 
@@ -32,4 +33,5 @@ RECIPE = Recipe(
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
                             note="the demo has no draft model"),
     sampling=SAMPLING,
+    online_fp8_projections=DECODER_PROJECTIONS,
 )

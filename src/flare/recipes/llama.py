@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
-                                hub_checkpoint, sampling_ranges)
+from flare.models.quantization import DECODER_PROJECTIONS
+from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
+                                Speculation, decode_weight_bytes, hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -36,6 +37,25 @@ CHECKPOINTS = (
                 141_107_412_992, _config(8192, 80, 64, 128, 28672, tied=False)),
 )
 
+# RedHatAI's FP8 Llama (llm-compressor's FP8_DYNAMIC: e4m3 weights with a scale per output channel,
+# lm_head ignored; compressed-tensors, named "naive-quantized" in its config as a public model list
+# records). No commit of this repository could be confirmed, so it is unpinned: the hub's current
+# commit is used and reported. Its stored size is not declared for the same reason.
+_FP8_DYNAMIC = {"quant_method": "compressed-tensors", "format": "naive-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                                "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                          "dynamic": True}}}}
+_FP8_CONFIG = _config(4096, 32, 32, 128, 14336, tied=False) | {"quantization_config": _FP8_DYNAMIC}
+FP8_CHECKPOINTS = (
+    Checkpoint(alias="llama-3.1-8b-instruct-fp8", architecture=ARCHITECTURE,
+               served_name="Meta-Llama-3.1-8B-Instruct-FP8-dynamic",
+               repo_id="RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8-dynamic", revision=None, stored_bytes=None,
+               decode_weight_bytes=decode_weight_bytes(_FP8_CONFIG), config=_FP8_CONFIG),
+)
+
 # generation_config.json of the Llama 3.1/3.2 Instruct checkpoints: temperature 0.6, top-p 0.9
 # (no top-k, no min-p). The cards give no ranges, so the API's own apply.
 SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=0, min_p=0.0, ranges=sampling_ranges(),
@@ -45,7 +65,7 @@ RECIPE = Recipe(
     family="llama",
     title="Llama 3.x",
     architectures=(ARCHITECTURE,),
-    checkpoints=CHECKPOINTS,
+    checkpoints=CHECKPOINTS + FP8_CHECKPOINTS,
     tensor_parallel_sizes=(1, 2, 4, 8),        # limited per checkpoint by its 8 KV heads
     concurrency=ConcurrencyRange(minimum=1, default=32, maximum=256),
     page_size=16,
@@ -57,4 +77,5 @@ RECIPE = Recipe(
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
                             note="Llama 3.x ships no draft model"),
     sampling=SAMPLING,
+    online_fp8_projections=DECODER_PROJECTIONS,
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flare.models.quantization import DECODER_PROJECTIONS
 from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
                                 hub_checkpoint, sampling_ranges)
 
@@ -39,4 +40,5 @@ RECIPE = Recipe(
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
                             note="Mistral 7B ships no draft model"),
     sampling=SAMPLING,
+    online_fp8_projections=DECODER_PROJECTIONS,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from flare.models.quantization import DECODER_PROJECTIONS
 from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
                                 hub_checkpoint, sampling_ranges)
 
@@ -55,5 +56,6 @@ RECIPE = Recipe(
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
                             note="Qwen2.5 ships no draft model"),
     sampling=SAMPLING,
+    online_fp8_projections=DECODER_PROJECTIONS,
     sampling_by_alias={"qwen2.5-0.5b-instruct": SMALL_SAMPLING},
 )

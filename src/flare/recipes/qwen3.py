@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from flare.models.quantization import DECODER_PROJECTIONS
 from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
                                 hub_checkpoint, sampling_ranges)
 
@@ -38,6 +39,14 @@ CHECKPOINTS = (
                 29_536_614_400, _config(5120, 40, 40, 17408, tied=False)),
     _checkpoint("qwen3-32b", "Qwen3-32B", "9216db5781bf21249d130ec9da846c4624c16137",
                 65_524_246_528, _config(5120, 64, 64, 25600, tied=False)),
+    # Block-scaled FP8 (config.json's quantization_config below, as Qwen publishes it). The revision is a
+    # commit quoted for this repository in public code (hub snapshot paths). stored_bytes is computed from
+    # the shapes, not read from its index: e4m3 projections with BFLOAT16 weight_scale_inv (the dtype
+    # inference engines' fixes for Qwen3's dense FP8 checkpoints report), everything else bfloat16.
+    _checkpoint("qwen3-8b-fp8", "Qwen3-8B-FP8", "220b46e3b2180893580a4454f21f22d3ebb187d3",
+                9_436_551_168, _config(4096, 36, 32, 12288, tied=False) | {"quantization_config": {
+                    "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128]}}),
 )
 
 # The model card's thinking-mode settings, also the generation_config.json defaults: temperature 0.6,
@@ -62,4 +71,5 @@ RECIPE = Recipe(
     speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
                             note="Qwen3 dense ships no draft model"),
     sampling=SAMPLING,
+    online_fp8_projections=DECODER_PROJECTIONS,
 )
