@@ -70,7 +70,7 @@ def build_engine(args):
 
     from flare.engine.attention import TorchReferenceBackend
     from flare.engine.config import EngineConfig
-    from flare.engine.llm_engine import LLMEngine
+    from flare.engine_client.llm_engine import LLMEngine
     from flare.frontend.tokenizer import load_tokenizer
     from flare.models import load_checkpoint
 

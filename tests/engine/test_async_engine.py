@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from flare.engine.async_engine import AsyncEngine
+from flare.engine_client.async_engine import AsyncEngine
 from flare.engine.config import EngineConfig
 from flare.engine.core import InvalidRequest
 from flare.engine.factory import ModelFactory, load_checkpoint_model
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
 
@@ -102,10 +102,10 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
 
 
 def test_a_core_that_cannot_load_its_model_says_why(tokenizer, tmp_path):
-    from flare.engine.async_engine import EngineDeadError
+    from flare.engine_client.protocol import EngineDeadError
 
     with pytest.raises(EngineDeadError, match="config.json"):
-        AsyncEngine(ModelFactory(load_checkpoint_model, (str(tmp_path / "missing"),)), tokenizer)
+        AsyncEngine.start(ModelFactory(load_checkpoint_model, (str(tmp_path / "missing"),)), tokenizer)
 
 
 def test_stats_carry_the_page_check_from_when_the_core_went_idle(async_engine, tokenizer):
@@ -124,12 +124,12 @@ def test_stats_carry_the_page_check_from_when_the_core_went_idle(async_engine, t
 def test_a_core_that_dies_is_reported_as_dead(stories260k, tokenizer):
     import time
 
-    from flare.engine.async_engine import EngineDeadError
+    from flare.engine_client.protocol import EngineDeadError
 
     engine = AsyncEngine.from_checkpoint(stories260k, CONFIG, seed=0)
     try:
         assert engine.dead_reason is None
-        engine._process.kill()
+        engine._connection.process.kill()
         deadline = time.monotonic() + 10
         while engine.dead_reason is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -146,7 +146,7 @@ def test_the_tokenizer_may_finish_loading_while_the_core_starts(stories260k):
 
     factory = ModelFactory(load_checkpoint_model, (str(stories260k),), {"engine_config": CONFIG})
     with ThreadPoolExecutor(max_workers=1) as loader:
-        engine = AsyncEngine(factory, loader.submit(load_tokenizer, stories260k), seed=0)
+        engine = AsyncEngine.start(factory, loader.submit(load_tokenizer, stories260k), seed=0)
     try:
         outputs = asyncio.run(collect(engine, "late-tokenizer", engine.tokenizer.encode("Lily"),
                                       SamplingParams(temperature=0, max_tokens=4)))
@@ -158,6 +158,6 @@ def test_the_tokenizer_may_finish_loading_while_the_core_starts(stories260k):
     running = set(multiprocessing.active_children())         # the module's engine may be among them
     broken = ThreadPoolExecutor(max_workers=1).submit(lambda: (_ for _ in ()).throw(ValueError("tokenizer.json is corrupt")))
     with pytest.raises(ValueError, match="corrupt"):
-        AsyncEngine(factory, broken)
+        AsyncEngine.start(factory, broken)
     assert not [child for child in set(multiprocessing.active_children()) - running
                 if child.name == "flare-engine-core"]

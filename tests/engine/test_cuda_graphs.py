@@ -10,7 +10,7 @@ from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore
 from flare.engine.cuda_graphs import DecodeBatch, DecodeGraphs, bucket_for
 from flare.engine.factory import load_checkpoint_model
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.runner import ModelRunner
 from flare.engine.sampling_params import SamplingParams
 from flare.frontend.tokenizer import load_tokenizer

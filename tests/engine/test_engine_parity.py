@@ -8,7 +8,7 @@ import torch
 from tiny_checkpoints import FAMILIES, write_tiny_checkpoint
 
 from flare.engine.config import EngineConfig
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 64

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flare.engine.config import EngineConfig
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 
 PROMPT = "Once upon a time"

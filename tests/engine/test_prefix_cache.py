@@ -7,7 +7,7 @@ from fake_runner import fake_continuation
 from test_scheduler import add, prompt, run_to_end
 
 from flare.engine.config import EngineConfig
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

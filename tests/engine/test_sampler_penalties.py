@@ -8,7 +8,7 @@ import torch
 
 from flare.engine import sampler as sampler_module
 from flare.engine.config import EngineConfig
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.request import EngineRequest, Request
 from flare.engine.sampler import PenaltyCounts, Sampler
 from flare.engine.sampling_params import SamplingParams

@@ -142,7 +142,8 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(make_fake_core):
 def test_a_prompt_is_validated_once_where_it_enters_the_engine(make_fake_core, monkeypatch):
     from flare.engine import core as core_module
     from flare.engine.core import InvalidRequest
-    from flare.engine.core_process import _handle
+    from flare.engine.core_process import _apply
+    from flare.engine.messages import AddRequest, RequestRefused
 
     checked = []
     validate_prompt = core_module.validate_prompt
@@ -154,8 +155,8 @@ def test_a_prompt_is_validated_once_where_it_enters_the_engine(make_fake_core, m
         add(core, "too-long", prompt(40))
     assert len(checked) == 2                            # an in-process caller's prompt is checked by the core
     # The core process takes what AsyncEngine.generate already validated, and only refuses a reused id.
-    assert _handle(core, ("add", EngineRequest("served", tuple(prompt(6)), SamplingParams(max_tokens=2)))) is None
+    assert _apply(core, AddRequest(EngineRequest("served", tuple(prompt(6)), SamplingParams(max_tokens=2)))) is None
     assert len(checked) == 2
-    refused = _handle(core, ("add", EngineRequest("served", (1,), SamplingParams())))
-    assert refused is not None and refused[0] == "error" and "already in use" in refused[2]
+    refused = _apply(core, AddRequest(EngineRequest("served", (1,), SamplingParams())))
+    assert isinstance(refused, RequestRefused) and "already in use" in refused.message
     assert fake_continuation(prompt(6), 2) == run_to_end(core)["served"]

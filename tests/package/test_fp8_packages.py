@@ -9,7 +9,7 @@ import pytest
 
 from flare.engine.config import EngineConfig
 from flare.engine.factory import build_core
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
 from flare.package import safetensors_io as st

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import math
 
+from flare.engine.core import EngineStats
 from flare.engine.outputs import RequestOutput, TokenLogprob
 
 
 class StandinEngine:
+    """An `EngineClient`."""
+
     def __init__(self, frontend, delay: float = 0.0) -> None:
         self.frontend = frontend
         self.delay = delay
@@ -17,6 +20,7 @@ class StandinEngine:
         self.aborted: list[str] = []
         self.seen_params: dict[str, object] = {}
         self.fail_after: int | None = None          # raise after this many tokens (a failing engine)
+        self.dead_reason: str | None = None
 
     async def generate(self, request_id, prompt_token_ids, params):
         self.running.add(request_id)
@@ -52,5 +56,9 @@ class StandinEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
 
-    def stats(self):
-        return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": 0.0}
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.running), num_waiting=0, kv_pages_used=0, kv_pages_total=64,
+                           num_preemptions=0)
+
+    def shutdown(self) -> None:
+        pass

@@ -107,7 +107,7 @@ def test_figures_come_from_engine_stats_and_the_app_metrics():
     metrics.requests.labels(api="chat_completions", outcome="error").inc(2)
     metrics.prompt_tokens.inc(640)
     state = SimpleNamespace(engine=SimpleNamespace(stats=lambda: engine_stats), metrics=metrics,
-                            generation=SimpleNamespace(observer=None), last_stats={})
+                            generation=SimpleNamespace(observer=None))
     dashboard = Dashboard(io.StringIO(), "m", "http://127.0.0.1:8000")
     dashboard.attach(state)
     now = dashboard.figures(now=100.0)
@@ -117,18 +117,6 @@ def test_figures_come_from_engine_stats_and_the_app_metrics():
     metrics.prompt_tokens.inc(160)
     assert dashboard.figures(now=102.0).prompt_tokens_per_s == 80.0
     assert "75.0%" in text_of(dashboard) and "25.0%" in text_of(dashboard)
-
-
-def test_async_engine_stats_fall_back_to_the_last_reply():
-    async def stats():
-        return {}
-
-    state = SimpleNamespace(engine=SimpleNamespace(stats=stats), metrics=ServerMetrics(dict),
-                            generation=SimpleNamespace(observer=None),
-                            last_stats={"num_running": 1, "kv_pages_used": 1, "kv_pages_total": 4})
-    dashboard = Dashboard(io.StringIO(), "m", "http://h:1")
-    dashboard.attach(state)
-    assert dashboard.figures().kv_usage == 0.25 and dashboard.figures().running == 1
 
 
 class Tty(io.StringIO):

@@ -222,18 +222,36 @@ def test_the_concurrency_export_accepts_also_serves_on_that_gpu(stories260k, mon
 
 
 def test_an_engine_that_runs_out_of_gpu_memory_at_startup_says_what_to_change():
-    from flare.engine.async_engine import EngineDeadError
+    import torch
+
+    from flare.engine.messages import failure
+    from flare.engine_client.connection import EngineStartError
     from flare.errors import CapacityError, PreparationError
     from flare.server.engine_start import _startup_error
 
-    failed = EngineDeadError(
-        "the engine core failed to start:\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: "
+    out_of_memory = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 3.90 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
         "3.33 GiB is free. Including non-PyTorch memory, this process has 136.47 GiB memory in use.")
-    error = _startup_error(failed)
+    error = _startup_error(EngineStartError(failure(out_of_memory)))
     assert isinstance(error, CapacityError) and error.exit_code == 4
     assert "Tried to allocate 3.90 GiB. GPU 0 has a total capacity of 139.80 GiB of which 3.33 GiB is free." \
         in str(error)
     assert "--memory-limit -4G" in str(error) and "--max-concurrency" in str(error)
-    other = _startup_error(EngineDeadError("the engine core failed to start:\nValueError: bad weights"))
+    other = _startup_error(EngineStartError(failure(ValueError("bad weights"))))
     assert isinstance(other, PreparationError) and "bad weights" in str(other)
+
+
+def test_a_user_error_in_the_engine_core_keeps_its_kind_and_exit_code():
+    """Errors cross from the core process classified by type: a usage error there is a usage error here."""
+    from flare.engine.messages import decode_event, encode, failure
+    from flare.engine_client.connection import EngineStartError
+    from flare.errors import UsageError
+    from flare.models.errors import WeightError
+    from flare.server.engine_start import _startup_error
+
+    sent = decode_event(encode(failure(UsageError("engine setting num_pages must be at least 1, got 0"))))
+    error = _startup_error(EngineStartError(sent))
+    assert type(error) is UsageError and error.exit_code == 2
+    assert str(error) == "engine setting num_pages must be at least 1, got 0"
+    damaged = _startup_error(EngineStartError(failure(WeightError("tensor model.norm.weight is missing"))))
+    assert damaged.exit_code == 5 and "model.norm.weight is missing" in str(damaged)

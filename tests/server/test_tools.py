@@ -10,6 +10,7 @@ import anthropic
 import openai
 import pytest
 
+from flare.engine.core import EngineStats
 from flare.engine.outputs import RequestOutput
 from flare.frontend.chat_template import ChatTemplate, ChatTemplateError
 from flare.frontend.tool_parsers import ToolCallStream, get_parser, parser_name_for_directory
@@ -190,7 +191,12 @@ class ScriptedEngine:
         pass
 
     def stats(self):
-        return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+        return EngineStats(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=64, num_preemptions=0)
+
+    dead_reason = None
+
+    def shutdown(self) -> None:
+        pass
 
 
 def _server(stories260k, tmp_path_factory, template: ChatTemplate):

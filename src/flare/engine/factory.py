@@ -1,18 +1,27 @@
 """Model factories: picklable recipes for building the model inside the engine-core process.
 
 A factory is a top-level function plus arguments that returns a `LoadedModel`. The engine-core
-process calls it after it starts, so the weights are read there, not pickled across. A checkpoint
-directory loads through `load_checkpoint_model`; a package supplies its own factory in the same shape.
+process calls it after it starts, so the weights are read there, not pickled across; the function gets
+a `report` keyword through which it may tell the frontend its progress (`flare.engine.messages`'
+start-up messages). A checkpoint directory loads through `load_checkpoint_model`; a package supplies
+its own factory in the same shape.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flare.engine.config import EngineConfig
+
+Report = Callable[[Any], None]          # takes a flare.engine.messages.StartupProgress
+
+
+def ignore_progress(message: Any) -> None:
+    """The report of a factory nobody watches."""
 
 
 @dataclass(frozen=True)
@@ -34,21 +43,25 @@ class ModelFactory:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
 
-    def __call__(self) -> LoadedModel:
-        return self.function(*self.args, **self.kwargs)
+    def __call__(self, report: Report = ignore_progress) -> LoadedModel:
+        return self.function(*self.args, report=report, **self.kwargs)
 
 
 def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | None = None,
                           device: str = "cpu", dtype: str | None = None,
-                          extra_eos_token_ids: tuple[int, ...] = ()) -> LoadedModel:
+                          extra_eos_token_ids: tuple[int, ...] = (), report: Report = ignore_progress
+                          ) -> LoadedModel:
     """Load a Hugging Face checkpoint directory with the attention backend of its device.
 
     dtype defaults to float32 on a CPU and bfloat16 on CUDA. EOS ids: config.json's,
-    generation_config.json's, then `extra_eos_token_ids` (the tokenizer's).
+    generation_config.json's, then `extra_eos_token_ids` (the tokenizer's). Reports when the weights
+    are loaded.
     """
+    import time
+
     import torch
 
-    from flare.frontend.tokenizer import eos_token_ids_of
+    from flare.engine.messages import WeightsLoaded
     from flare.models import load_checkpoint
 
     directory = Path(directory)
@@ -59,11 +72,22 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
         backend = attention_backend(device, read_model_config(directory).head_dim)
     else:
         backend = attention_backend(device)
+    started = time.perf_counter()
     model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend)
-    eos = merge_token_ids(model_config.eos_token_ids, eos_token_ids_of(directory, None), extra_eos_token_ids)
+    report(WeightsLoaded(time.perf_counter() - started))
+    eos = merge_token_ids(model_config.eos_token_ids, generation_eos_token_ids(directory), extra_eos_token_ids)
     if engine_config is None:
         engine_config = default_engine_config(model_config.max_position_embeddings)
     return LoadedModel(model_config, model, eos, engine_config, device, dtype)
+
+
+def generation_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
+    """The EOS ids a checkpoint's generation_config.json declares (an int or a list), in order; () without one."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    declared = json.loads(path.read_text()).get("eos_token_id")
+    return merge_token_ids(t for t in (declared if isinstance(declared, list) else [declared]) if isinstance(t, int))
 
 
 def merge_token_ids(*groups: Iterable[int]) -> tuple[int, ...]:

@@ -1,15 +1,20 @@
-"""What the engine hands back. The core speaks token ids; the output processor adds text."""
+"""What the engine hands back. The core speaks token ids; the output processor adds text.
+
+`CoreOutput` and `TokenLogprob` cross from the engine-core process to the frontend every step, so they are
+msgspec Structs encoded as arrays (`flare.engine.messages`); `RequestOutput` stays in the frontend.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One position's logprob: the chosen token and the `top` alternatives, best first."""
 
     token_id: int
@@ -18,8 +23,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()     # (token_id, logprob), best first
 
 
-@dataclass(frozen=True)
-class CoreOutput:
+class CoreOutput(msgspec.Struct, frozen=True, array_like=True):
     """One step's news for one request, from the engine core (scheduler + model)."""
 
     request_id: str

@@ -5,7 +5,6 @@ Loading imports transformers, so call `load_tokenizer` only where a model is rea
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,11 +53,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
 
 def eos_token_ids_of(directory: Path, tokenizer_eos: int | None) -> list[int]:
     """The tokenizer's EOS id, then generation_config.json's (an int or a list), without repeats."""
-    ids: list[int] = [] if tokenizer_eos is None else [tokenizer_eos]
-    generation_config = Path(directory) / "generation_config.json"
-    if generation_config.is_file():
-        declared = json.loads(generation_config.read_text()).get("eos_token_id")
-        for token_id in declared if isinstance(declared, list) else [declared]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return ids
+    from flare.engine.factory import generation_eos_token_ids, merge_token_ids
+
+    return list(merge_token_ids([] if tokenizer_eos is None else [tokenizer_eos],
+                                generation_eos_token_ids(directory)))

@@ -1,13 +1,12 @@
 """The HTTP application: routes of the four APIs, auth, body limits, errors, health and metrics.
 
-`build_app(engine, frontend, settings)` is all a caller needs. The engine client is documented in
-`flare.server.generation`; `frontend` is a `ServingFrontend`; `settings` a `ServerSettings`.
+`build_app(engine, frontend, settings)` is all a caller needs. The engine is a
+`flare.engine_client.EngineClient`; `frontend` is a `ServingFrontend`; `settings` a `ServerSettings`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from flare.engine.core import EngineStats
 from flare.server import (anthropic_messages, openai_chat, openai_completions, openai_responses, sse)
 from flare.server.auth import PUBLIC_PATHS, is_authorized
 from flare.server.errors import APIError, ApiFamily, bad_request, error_body, family_for_path
@@ -34,8 +34,7 @@ class ServingState:
 
     def __init__(self, engine: Any, frontend: Any, settings: ServerSettings) -> None:
         self.settings = settings
-        self.last_stats: Any = {}
-        self.metrics = ServerMetrics(lambda: self.last_stats)
+        self.metrics = ServerMetrics(self.engine_stats)
         self.generation = Generation(engine, frontend, settings, self.metrics)
         self.ready = engine is not None
         self.draining = False
@@ -49,14 +48,9 @@ class ServingState:
         self.generation.frontend = frontend
         self.ready = True
 
-    async def engine_stats(self) -> Any:
-        """The engine's numbers now (its `stats()` may be plain or async); also kept for /metrics."""
-        read = getattr(self.engine, "stats", None)
-        stats = read() if callable(read) else {}
-        if inspect.isawaitable(stats):
-            stats = await stats
-        self.last_stats = stats
-        return stats
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's numbers as of its latest step; None while no engine is attached."""
+        return self.engine.stats() if self.engine is not None else None
 
 
 class SSEResponse(StreamingResponse):
@@ -326,16 +320,12 @@ def build_app(engine: Any, frontend: Any, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        try:
-            await state.engine_stats()
-        except Exception:                      # a scrape still answers while the engine is unavailable
-            pass
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/engine/stats")
     async def engine_stats() -> JSONResponse:
         """The engine's own numbers, including its KV page integrity check (for operators and tests)."""
-        return JSONResponse(_jsonable(await state.engine_stats()))
+        return JSONResponse(_jsonable(state.engine_stats()))
 
     return app
 

@@ -1,18 +1,23 @@
 """Loading the model and starting its engine, as the Load weights / Prepare kernels and graphs / Allocate
 caches stages show it.
 
-`flare run` starts the engine core in its own process (AsyncEngine) from a picklable package factory,
-whose progress reports drive the stages; debug-serve loads in this process and steps the core on a thread.
-Each returns a function that, given the frontend, gives the engine client the routes use.
+`flare run` starts the engine core in its own process (AsyncEngine) from a picklable package factory;
+the core's start-up messages (`flare.engine.messages`) drive the stages. debug-serve loads in this
+process and steps the core on a thread (ThreadedEngine). Each returns the engine client the routes use
+and the tokenizer it detokenizes with (the frontend shares it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from flare.server.served_model import ServedModel
-from flare.ui.stages import StageReporter
+from flare.ui.stages import Stage, StageReporter
+
+STAGE_PREPARE = "Prepare kernels and graphs"
+STAGE_ALLOCATE = "Allocate caches"
 
 
 def serving_device() -> str:
@@ -43,99 +48,93 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
 
 
 def start_in_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
-    """debug-serve: load, prepare and allocate here; the core steps on a thread of this process."""
+    """debug-serve: load, prepare and allocate here; the core steps on a thread of this process.
+    Returns (ThreadedEngine, Tokenizer)."""
     from flare.engine.factory import LoadedModel, build_core, merge_token_ids
-    from flare.frontend.tokenizer import eos_token_ids_of
+    from flare.engine_client.llm_engine import LLMEngine
+    from flare.engine_client.threaded import ThreadedEngine
+    from flare.frontend.tokenizer import eos_token_ids_of, load_tokenizer
 
     cfg, network = load_model_weights(model, device, stages)
-    with stages.stage("Prepare kernels and graphs") as stage:
+    with stages.stage(STAGE_PREPARE) as stage:
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
-    with stages.stage("Allocate caches") as stage:
+    with stages.stage(STAGE_ALLOCATE) as stage:
         eos = merge_token_ids(cfg.eos_token_ids, eos_token_ids_of(model.frontend_dir, None))
         core = build_core(LoadedModel(cfg, network, eos, engine_config, device, model.dtype))
+        tokenizer = load_tokenizer(model.frontend_dir)
         stage.note(_pool_note(engine_config))
-
-    def client(frontend: Any) -> Any:
-        from flare.engine.llm_engine import LLMEngine
-        from flare.server.local_engine import ThreadedEngine
-
-        return ThreadedEngine(LLMEngine(core, frontend.tokenizer))
-    return client
+    return ThreadedEngine(LLMEngine(core, tokenizer)), tokenizer
 
 
 def start_engine_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
-    """flare run: the engine core loads the package in its own process; its progress drives the stages."""
-    import multiprocessing
-    import queue
-    import threading
+    """flare run: the engine core loads the package in its own process; its start-up messages drive the
+    stages while the tokenizer loads here. Returns (AsyncEngine, Tokenizer)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from flare.engine.factory import ModelFactory
+    from flare.engine_client.connection import CoreConnection, EngineStartError
     from flare.frontend.tokenizer import eos_token_ids_of, load_tokenizer
-    from flare.server.package_model import STAGE_ALLOCATE, STAGE_PREPARE, load_package_model
+    from flare.server.package_model import load_package_model
 
-    progress = multiprocessing.get_context("spawn").Queue()
-    factory = ModelFactory(load_package_model, (str(model.package_path), engine_config,
-                                                device, model.dtype, tuple(eos_token_ids_of(model.frontend_dir, None)),
-                                                progress))
-    outcome: dict[str, Any] = {}
-    notes: list[str] = []                         # the engine's notes for the Prepare stage
-    timings: dict[str, float] = {}
-
-    def start() -> None:
+    factory = ModelFactory(load_package_model, (str(model.package_path), engine_config, device, model.dtype,
+                                                tuple(eos_token_ids_of(model.frontend_dir, None))))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-tokenizer") as loader:
+        tokenizer = loader.submit(load_tokenizer, model.frontend_dir)
+        connection = CoreConnection.spawn(factory)
         try:
-            from concurrent.futures import ThreadPoolExecutor
+            engine = _follow_startup(connection, tokenizer, model, engine_config, device, stages)
+        except BaseException as error:
+            connection.kill()
+            connection.close()
+            if not isinstance(error, Exception):
+                raise
+            if isinstance(error, EngineStartError) and error.failure.kind == "internal":
+                stages.line(error.failure.traceback.rstrip())        # a defect: the log keeps where it was
+            raise _startup_error(error) from None
+    return engine, engine.tokenizer
 
-            from flare.engine.async_engine import AsyncEngine
 
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-tokenizer") as loader:
-                # The tokenizer loads while the engine process starts and reads the weights.
-                outcome["engine"] = AsyncEngine(factory, loader.submit(load_tokenizer, model.frontend_dir))
-            outcome["tokenizer"] = outcome["engine"].tokenizer
-        except BaseException as error:            # reported by the stage that is showing
-            outcome["error"] = error
+def _follow_startup(connection, tokenizer, model: ServedModel, engine_config: Any, device: str,
+                    stages: StageReporter):
+    """The stages, each advanced by the core's start-up messages until the one that ends it."""
+    from flare.engine.messages import ModelBuilt, WeightsLoaded
+    from flare.engine_client.async_engine import AsyncEngine
 
-    starter = threading.Thread(target=start, name="flare-engine-start", daemon=True)
-    starter.start()
-
-    def follow(stage, until: str | None) -> None:
-        """Advance `stage` from the engine's reports until it announces `until` (or finishes starting)."""
-        while True:
-            try:
-                message = progress.get(timeout=0.1)
-            except queue.Empty:
-                if not starter.is_alive():
-                    break
-                continue
-            if message[0] == "total":
-                stage.set_total(message[1] or None)
-            elif message[0] == "advance":
-                stage.advance(message[1])
-            elif message[0] == "note":
-                notes.append(message[1])
-            elif message[0] == "weights_seconds":
-                timings["weights"] = message[1]
-            elif message[0] == "stage" and message[1] == until:
-                return
-        if "error" in outcome:
-            raise _startup_error(outcome["error"])
-
+    progress = connection.startup()
     with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
         started = time.perf_counter()
-        follow(stage, STAGE_PREPARE)
+        loaded, _ = _follow(progress, stage, WeightsLoaded)
         stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}, in the engine process"
-                   + _weights_timing(timings.get("weights"), time.perf_counter() - started))
+                   + _weights_timing(loaded.seconds, time.perf_counter() - started))
     with stages.stage(STAGE_PREPARE) as stage:
-        follow(stage, STAGE_ALLOCATE)
+        _, notes = _follow(progress, stage, ModelBuilt)
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "; ".join(notes))
     with stages.stage(STAGE_ALLOCATE) as stage:
-        starter.join()
-        if "error" in outcome:
-            raise _startup_error(outcome["error"])
+        _follow(progress, stage, None)
+        engine = AsyncEngine(connection, tokenizer.result())
         stage.note(_pool_note(engine_config))
-    progress.close()
-    client = lambda frontend: outcome["engine"]
-    client.tokenizer = outcome["tokenizer"]
-    return client
+    return engine
+
+
+def _follow(progress: Iterator[Any], stage: Stage, until: type | None) -> tuple[Any, list[str]]:
+    """Apply start-up messages to `stage` until one of type `until` (None: until the core is ready);
+    returns that message and the notes that came on the way."""
+    from flare.engine.messages import PrepareNote, WeightsRead, WeightsTotal
+    from flare.engine_client.protocol import EngineDeadError
+
+    notes = []
+    for message in progress:
+        if isinstance(message, WeightsTotal):
+            stage.set_total(message.size or None)
+        elif isinstance(message, WeightsRead):
+            stage.advance(message.size)
+        elif isinstance(message, PrepareNote):
+            notes.append(message.text)
+        if until is not None and isinstance(message, until):
+            return message, notes
+    if until is not None:
+        raise EngineDeadError(f"the engine core was ready without reporting {until.__name__}")
+    return None, notes
 
 
 def _weights_timing(weights_s: float | None, stage_s: float) -> str:
@@ -151,15 +150,22 @@ def _pool_note(engine_config: Any) -> str:
 
 
 def _startup_error(error: BaseException) -> BaseException:
-    """User-facing errors pass through; running out of GPU memory is a capacity error (4) with what to
-    change; any other engine that could not load becomes a preparation error (5)."""
-    from flare.errors import CapacityError, FlareError, PreparationError
+    """User-facing errors pass through, also those the engine core raised (by kind); running out of GPU
+    memory is a capacity error (4) with what to change; any other engine that could not load becomes a
+    preparation error (5)."""
+    from flare.engine_client.connection import EngineStartError
+    from flare.errors import CapacityError, FetchError, FlareError, PreparationError, UsageError
     from flare.estimate import failed_allocation, is_out_of_memory
 
     if isinstance(error, FlareError):
         return error
-    text = str(error)
-    if is_out_of_memory(error):
+    kind = error.failure.kind if isinstance(error, EngineStartError) else None
+    user_error = {"usage": UsageError, "fetch": FetchError, "capacity": CapacityError,
+                  "preparation": PreparationError}.get(kind)
+    if user_error is not None:
+        return user_error(error.failure.message)
+    text = error.failure.message if isinstance(error, EngineStartError) else str(error)
+    if kind == "out_of_memory" or (kind is None and is_out_of_memory(error)):
         allocation = failed_allocation(text) if "Tried to allocate" in text else ""
         return CapacityError(
             "ran out of GPU memory while the engine started" + (f": {allocation}" if allocation else "")

@@ -1,21 +1,20 @@
 """What every route shares: admission checks, sampling parameters, and running requests on the engine.
 
-The engine client speaks token ids in and `RequestOutput`s out:
-    generate(request_id, prompt_token_ids, SamplingParams) -> async iterator of RequestOutput
-    abort(request_id)                   (plain or async)
+The engine is a `flare.engine_client.EngineClient`: token ids in, `RequestOutput`s out.
 A request that ends early (client gone, server stopping) is aborted at once so its KV pages are freed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Sequence
 
+from flare.engine.core import InvalidRequest
 from flare.engine.outputs import RequestOutput, TokenLogprob
+from flare.engine_client.protocol import EngineDeadError
 from flare.frontend.tool_parsers import (DEFAULT_PARSER, ParsedOutput, ToolParser, ToolRequest, get_parser,
                                          with_history_ids)
 from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -26,11 +25,6 @@ from flare.server.settings import SAMPLING_CONTROLS, ServerSettings
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
-
-
-async def _maybe_await(value: Any) -> None:
-    if inspect.isawaitable(value):
-        await value
 
 
 @dataclass(frozen=True)
@@ -265,7 +259,7 @@ class Generation:
                 prompt_tokens = final.num_prompt_tokens if final is not None else len(prompt_ids)
                 self.observer.sequence_ended(status, prompt_tokens, produced, ttft)
             if not finished:
-                await _maybe_await(self.engine.abort(request_id))
+                self.engine.abort(request_id)
 
     async def stream(self, request_id: str, prompts: Sequence[Sequence[int]],
                      params: Sequence[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -320,10 +314,9 @@ class Generation:
 
 def _engine_error(error: BaseException) -> APIError:
     """An engine exception as the HTTP error a client should see."""
-    kind = type(error).__name__
-    if kind == "InvalidRequest":                # the engine refused the request as given
+    if isinstance(error, InvalidRequest):       # the engine refused the request as given
         return bad_request(str(error))
-    if kind == "EngineDeadError":
+    if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine stopped: {error}")
     return APIError(500, f"the engine failed this request: {error}")
 

@@ -91,13 +91,12 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
                            reserve)
     engine_config = serving_engine_config(model, concurrency, pool, listener_options.scheduler_policy)
     start = start_engine_process if model.package_path is not None else start_in_process
-    client = start(model, engine_config, device, stages)
-    with stages.stage("Load frontend") as stage:
-        frontend = ServingFrontend.from_dir(model.frontend_dir, getattr(client, "tokenizer", None))
-        stage.note("the model's chat template" if frontend.chat_template.from_model
-                   else "no chat template: plain role-prefixed chat layout")
-    engine = client(frontend)
+    engine, tokenizer = start(model, engine_config, device, stages)
     try:
+        with stages.stage("Load frontend") as stage:
+            frontend = ServingFrontend.from_dir(model.frontend_dir, tokenizer)
+            stage.note("the model's chat template" if frontend.chat_template.from_model
+                       else "no chat template: plain role-prefixed chat layout")
         server_config = getattr(config, "server", None)
         host = listener_options.host or getattr(server_config, "host", None) or "127.0.0.1"
         port = listener_options.port if listener_options.port is not None else getattr(server_config, "port", 8000)

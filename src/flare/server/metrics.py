@@ -17,16 +17,11 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 240.0, 480.0, 960.0)
 
 
-def _stat(stats: Any, name: str) -> float | None:
-    value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def _as_dict(stats: Any) -> dict:
-    if isinstance(stats, dict):
-        return stats
-    fields = getattr(stats, "__dataclass_fields__", None)
-    return {name: getattr(stats, name) for name in fields} if fields else {}
+def _value(stats: Any, key: str) -> float:
+    """One number of an EngineStats; `kv_cache_usage` is the fraction of its pages in use."""
+    if key == "kv_cache_usage":
+        return stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
+    return float(getattr(stats, key))
 
 
 # The engine's numbers at scrape time: (metric name, EngineStats field, help). Counters only grow over the
@@ -53,23 +48,20 @@ class _EngineCollector:
     """Reads the engine's live numbers at scrape time, so they are never stale."""
 
     def __init__(self, read_stats: Callable[[], Any]) -> None:
-        self._read_stats = read_stats
+        self._read_stats = read_stats          # the engine's EngineStats, or None before there are any
 
     def collect(self):
         try:
-            stats = self._read_stats() or {}
+            stats = self._read_stats()
         except Exception:                      # a scrape must not fail because the engine is busy loading
-            stats = {}
-        if _stat(stats, "kv_cache_usage") is None and _stat(stats, "kv_pages_total"):
-            stats = dict(_as_dict(stats))
-            stats["kv_cache_usage"] = _stat(stats, "kv_pages_used") / _stat(stats, "kv_pages_total")
+            stats = None
+        if stats is None:
+            return
         for families, kind in ((ENGINE_COUNTERS, CounterMetricFamily), (ENGINE_GAUGES, GaugeMetricFamily)):
             for name, key, text in families:
-                value = _stat(stats, key)
-                if value is not None:
-                    family = kind(name, text)
-                    family.add_metric([], value)
-                    yield family
+                family = kind(name, text)
+                family.add_metric([], _value(stats, key))
+                yield family
 
 
 class ServerMetrics:

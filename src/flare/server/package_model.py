@@ -2,8 +2,8 @@
 
 It reopens the package the frontend already verified, builds the model on the meta-free device path,
 loads the weights from the memory-mapped payloads, puts the package's compiled kernels into the local
-compile caches on a GPU, and reports progress to the frontend's stage display over a multiprocessing
-queue: ("total", bytes), ("advance", bytes), ("weights_seconds", seconds), ("stage", name), ("note", text).
+compile caches on a GPU, and reports its progress to the frontend's stage display through `report`
+(start-up messages of `flare.engine.messages`, sent on the engine core's event socket).
 """
 
 from __future__ import annotations
@@ -13,13 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-STAGE_PREPARE = "Prepare kernels and graphs"
-STAGE_ALLOCATE = "Allocate caches"
-
-
-def _report(progress: Any, *message: Any) -> None:
-    if progress is not None:
-        progress.put(message)
+from flare.engine.factory import Report, ignore_progress
+from flare.engine.messages import PrepareNote, WeightsLoaded, WeightsRead, WeightsTotal
 
 
 def _load_compiled_artifacts(package) -> str:
@@ -30,7 +25,7 @@ def _load_compiled_artifacts(package) -> str:
 
 
 def load_package_model(package_path: str, engine_config: Any, device: str, dtype: str,
-                       extra_eos_token_ids: tuple[int, ...] = (), progress: Any = None):
+                       extra_eos_token_ids: tuple[int, ...] = (), report: Report = ignore_progress):
     """A `LoadedModel` for the package at `package_path` (already verified by the caller)."""
     import torch
 
@@ -43,22 +38,19 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-compiled") as background:
         # Putting the compiled kernels into the local caches imports the compiler (seconds): done meanwhile.
         compiled_note = background.submit(_load_compiled_artifacts, package) if on_cuda else None
-        _report(progress, "total", sum(r["size"] for r in package.weight_payloads()))
+        report(WeightsTotal(sum(r["size"] for r in package.weight_payloads())))
         cfg = ModelConfig.from_hf_config(package.hf_config)
         model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device, cfg.head_dim))
 
         def counted():
             for name, tensor in package.iter_weights(pinned=on_cuda):
-                _report(progress, "advance", tensor.numel() * tensor.element_size())
+                report(WeightsRead(tensor.numel() * tensor.element_size()))
                 yield name, tensor
 
         started = time.perf_counter()
         model.load_hf_weights(counted())
-        _report(progress, "weights_seconds", time.perf_counter() - started)
-        _report(progress, "stage", STAGE_PREPARE)
+        report(WeightsLoaded(time.perf_counter() - started))
         if compiled_note is not None:
-            _report(progress, "note", compiled_note.result())
-    loaded = LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
-                         device, dtype, compile_layers=package.plan.get("compile", True))
-    _report(progress, "stage", STAGE_ALLOCATE)          # the engine allocates the KV cache next
-    return loaded
+            report(PrepareNote(compiled_note.result()))
+    return LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
+                       device, dtype, compile_layers=package.plan.get("compile", True))

@@ -12,7 +12,6 @@ token, how it ended). Redirected output never gets a dashboard: its plain lines 
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections import deque
@@ -67,8 +66,8 @@ class Figures:
 
 
 def stat(stats: Any, name: str, default: Any = 0) -> Any:
-    """A field of EngineStats, or of the plain dict an in-process engine reports."""
-    value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+    """A field of EngineStats (`default` when there are no stats yet)."""
+    value = getattr(stats, name, None)
     return default if value is None else value
 
 
@@ -192,17 +191,12 @@ class Dashboard:
         state.generation.observer = self.recorder
 
     def engine_stats(self) -> Any:
-        engine = getattr(self._state, "engine", None)
-        read = getattr(engine, "stats", None)
-        stats = read() if callable(read) else None
-        if inspect.isawaitable(stats):       # an in-process engine answers on its own loop: use the last reply
-            stats.close()
-            stats = None
-        return stats if stats is not None else getattr(self._state, "last_stats", {})
+        """The engine's EngineStats as of its latest step."""
+        return self._state.engine.stats()
 
     def figures(self, now: float | None = None) -> Figures:
         now = time.monotonic() if now is None else now
-        stats = self.engine_stats() if self._state is not None else {}
+        stats = self.engine_stats() if self._state is not None else None
         registry = self._state.metrics.registry if self._state is not None else None
         rejected = prompt = 0
         if registry is not None:

@@ -1,4 +1,5 @@
-"""LLMEngine: the engine core and the output processor in one process (tests, scripts, benchmarks).
+"""LLMEngine: the engine core and the output processor in one process, synchronous (tests, scripts,
+benchmarks; `ThreadedEngine` steps one for debug-serve).
 
 Text in, text out: prompts are tokenized here, and the core's token ids come back as RequestOutputs
 with detokenized text, stop strings applied and usage counted.
