@@ -4,10 +4,12 @@ state update) on a benchmark architecture with random weights, timed per step on
 
 For each batch B and context C: B requests of C random prompt tokens are prefilled through the engine,
 then every step decodes one token for each (greedy). Reported per case, median over the timed steps:
-  step_ms     wall time of one EngineCore.step() (ends with the sampled ids on the host: the real TPOT)
-  execute_ms  of that, inside ModelRunner.execute
+  step_ms     wall time of one EngineCore.step() (it returns with a step's ids on the host: the real TPOT;
+              one step ahead, it launches step N+1 and then reads step N's ids)
+  launch_ms   of that, inside ModelRunner.launch (the host's part of the step)
   gpu_ms      CUDA-event time of the captured graph alone (graph modes), replayed back to back
-  host_ms     step_ms - gpu_ms: time the GPU waits for Python each step (nothing overlaps yet)
+  host_ms     step_ms - gpu_ms: time the GPU waits for Python each step
+`--one-step-ahead off` runs one step at a time (nothing overlaps), for comparison.
 
 Modes: eager (no graphs, no compile), graphs (captured decode, eager layers), compiled (layers
 compiled with torch.compile, then captured). One mode per process keeps a failure contained.
@@ -45,6 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--max-model-len", type=int, default=8192,
                         help="the engine's max_model_len (sets the split-K count of decode attention in graphs)")
+    parser.add_argument("--one-step-ahead", choices=["on", "off"], default="on")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
                           num_pages=max(max(batches) * pages_per_request, -(-max_model_len // page_size)),
                           prefill_chunk=2048,
                           max_num_batched_tokens=max(2048, max(batches)), max_model_len=max_model_len,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, one_step_ahead=args.one_step_ahead == "on")
 
     started = time.perf_counter()
     model = build_model(cfg, dtype, device, attention_backend(device))
@@ -87,6 +90,7 @@ def main(argv=None) -> int:
     timings["compile_and_capture_s"] = time.perf_counter() - started   # compile is lazy: first capture pays it
 
     result = {"benchmark": "engine decode step", "shape": args.shape, "mode": args.mode,
+              "one_step_ahead": args.one_step_ahead,
               "max_model_len": max_model_len, "command": " ".join(sys.argv),
               "device": device_identity(), "dtype": str(dtype), "page_size": page_size,
               "warmup": args.warmup, "steps": args.steps, "startup": timings, "cases": [],
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
         for batch in batches:
             case = run_case(runner, config, cfg.vocab_size, batch, context, args.warmup, args.steps)
             result["cases"].append(case)
-            print(f"B{batch:<3} C{context:<5} step {case['step_ms']:.3f} ms  execute {case['execute_ms']:.3f}  "
+            print(f"B{batch:<3} C{context:<5} step {case['step_ms']:.3f} ms  launch {case['launch_ms']:.3f}  "
                   f"gpu {case['gpu_ms'] if case['gpu_ms'] is None else round(case['gpu_ms'], 3)}  "
                   f"host {case['host_ms'] if case['host_ms'] is None else round(case['host_ms'], 3)}  "
                   f"{case['tokens_per_s']:.0f} tok/s", flush=True)
@@ -130,35 +134,35 @@ def run_case(runner, config, vocab_size: int, batch: int, context: int, warmup: 
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()                                                   # prefill, untimed
 
-    execute_times = []
-    original = runner.execute
+    launch_times = []
+    original = runner.launch
 
-    def timed_execute(*a, **k):
+    def timed_launch(*a, **k):
         started = time.perf_counter()
         out = original(*a, **k)
-        execute_times.append(time.perf_counter() - started)
+        launch_times.append(time.perf_counter() - started)
         return out
 
-    runner.execute = timed_execute
+    runner.launch = timed_launch
     step_times = []
     try:
         for i in range(warmup + steps):
             started = time.perf_counter()
             outputs = core.step()
             elapsed = time.perf_counter() - started
-            if len(outputs) != batch:
-                raise RuntimeError(f"step gave {len(outputs)} tokens for a batch of {batch}")
             if i >= warmup:
+                if len(outputs) != batch:
+                    raise RuntimeError(f"step gave {len(outputs)} tokens for a batch of {batch}")
                 step_times.append(elapsed)
     finally:
-        runner.execute = original
-    execute_times = execute_times[warmup:]
+        runner.launch = original
+    launch_times = launch_times[warmup:]
     gpu_ms = graph_gpu_ms(runner, batch)
     core.abort(list(core.requests))
     step_ms = statistics.median(step_times) * 1000
     return {"batch": batch, "context": context, "step_ms": step_ms,
             "step_ms_quartiles": [q * 1000 for q in statistics.quantiles(step_times, n=4)],
-            "execute_ms": statistics.median(execute_times) * 1000, "gpu_ms": gpu_ms,
+            "launch_ms": statistics.median(launch_times) * 1000, "gpu_ms": gpu_ms,
             "host_ms": None if gpu_ms is None else step_ms - gpu_ms,
             "tokens_per_s": batch / (step_ms / 1000), "step_ms_samples": [t * 1000 for t in step_times]}
 

@@ -29,7 +29,8 @@ def make_fake_core():
     cores: list[EngineCore] = []
 
     def make(**settings) -> EngineCore:
-        core = EngineCore(EngineConfig(**settings), FakeRunner(), eos_token_ids=())
+        config = EngineConfig(**settings)
+        core = EngineCore(config, FakeRunner(config.page_size), eos_token_ids=())
         cores.append(core)
         return core
 

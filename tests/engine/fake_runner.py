@@ -1,40 +1,105 @@
-"""A fake model runner for engine tests: checks the page tables, samples a function of the context."""
+"""A fake model runner for engine tests: the step contract (flare.engine.step) without a model.
+
+It keeps what a real runner keeps, from the plans' deltas only: a page table and the request's tokens
+per batch slot (the ids it crossed with, then those the fake sampled itself). It writes each computed
+token into a fake KV store at its page slot and samples a token that depends on the whole context as
+read back from the pages. A wrong delta, a page shared while written, a token it was never told about
+or a lost token changes the output or raises."""
 
 from __future__ import annotations
 
-from flare.engine.kv_cache import PageAllocator
-from flare.engine.scheduler import RunnerOutput, SchedulerOutput
+from dataclasses import dataclass, field
+
+from flare.engine.step import DoneStep, ScheduledRow, StepPlan, StepResult
+
+@dataclass
+class Seat:
+    request_id: str
+    tokens: list[int]                                   # crossed ids, then sampled ones
+    pages: list[int] = field(default_factory=list)
 
 
 class FakeRunner:
-    """Stands in for the model: writes each computed token into a fake KV store at its page slot, and
-    samples a token that depends on the whole context as read back from the pages. A wrong page
-    table, a page shared while written, or a lost token changes the output or raises."""
+    """Draft tokens are verified as speculation does: accepted while they equal the fake model's choice,
+    then one sampled token. A token mask moves the choice to the next allowed token."""
 
     vocab_size = 97
 
-    def __init__(self) -> None:
-        self.slots: dict[int, int] = {}
-        self.steps: list[SchedulerOutput] = []
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.kv: dict[int, int] = {}                    # cache slot -> token written there
+        self.seats: dict[int, Seat] = {}                # batch slot -> its request
+        self.steps: list[StepPlan] = []
 
-    def execute(self, scheduled: SchedulerOutput, allocator: PageAllocator) -> RunnerOutput:
-        self.steps.append(scheduled)
-        sampled = {}
-        for chunk in scheduled.chunks:
-            request = chunk.request
-            table = allocator.page_table(request.request_id)
-            for position in range(chunk.start, chunk.start + chunk.num_new_tokens):
-                slot = table[position // allocator.page_size] * allocator.page_size + position % allocator.page_size
-                token = request.all_token_ids[position]
-                if allocator._refcounts[table[position // allocator.page_size]] > 1 and self.slots.get(slot) != token:
-                    raise AssertionError(f"{request.request_id} overwrote a shared page at position {position}")
-                self.slots[slot] = token
-            if chunk.completes:
-                context = [self.slots[table[p // allocator.page_size] * allocator.page_size + p % allocator.page_size]
-                           for p in range(request.num_tokens)]
-                assert context == request.all_token_ids, f"{request.request_id}: the pages lost the context"
-                sampled[request.request_id] = next_token(context)
-        return RunnerOutput(sampled)
+    def samples_ahead(self, params) -> bool:
+        return True
+
+    def reset(self) -> None:
+        self.seats.clear()
+
+    def launch(self, plan: StepPlan) -> DoneStep:
+        self.steps.append(plan)
+        for request_id in (*plan.preempted_request_ids, *plan.finished_request_ids):
+            for slot in [s for s, seat in self.seats.items() if seat.request_id == request_id]:
+                del self.seats[slot]
+        for new in plan.new_requests:
+            assert new.slot not in self.seats, f"slot {new.slot} reused before it was freed"
+            self.seats[new.slot] = Seat(new.request_id, [*new.prompt_token_ids, *new.output_token_ids])
+        return DoneStep(StepResult(tuple(self._run(row) for row in plan.rows)))
+
+    def _run(self, row: ScheduledRow) -> tuple[int, ...]:
+        seat = self.seats[row.slot]
+        assert seat.request_id == row.request_id, f"slot {row.slot} holds {seat.request_id}, not {row.request_id}"
+        seat.pages += row.new_page_ids
+        start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_new_tokens
+        fed_end = start + row.num_fed_tokens
+        assert fed_end <= len(seat.tokens), f"{row.request_id}: asked to feed tokens the runner never had"
+        fed = seat.tokens[start:fed_end] + list(row.draft_token_ids)
+        for position, token in zip(range(start, end), fed):
+            self._write(seat, position, token)
+        if not row.samples:
+            return ()
+        assert fed_end == len(seat.tokens), f"{row.request_id}: samples before its last token"
+        context = [self.kv[self._slot(seat, p)] for p in range(fed_end)]
+        assert context == seat.tokens, f"{row.request_id}: the pages lost the context"
+        chosen = []
+        for position in range(row.num_fed_tokens - 1, row.num_new_tokens):
+            token = masked_choice(next_token(context + chosen), row.token_mask, len(chosen))
+            chosen.append(token)
+            draft = position + 1 - row.num_fed_tokens       # the draft fed after this position
+            if draft >= len(row.draft_token_ids) or row.draft_token_ids[draft] != token:
+                break
+        seat.tokens += chosen
+        return tuple(chosen)
+
+    def _slot(self, seat: Seat, position: int) -> int:
+        return seat.pages[position // self.page_size] * self.page_size + position % self.page_size
+
+    def _write(self, seat: Seat, position: int, token: int) -> None:
+        slot = self._slot(seat, position)
+        page = seat.pages[position // self.page_size]
+        shared = any(page in other.pages for other in self.seats.values() if other is not seat)
+        if shared and self.kv.get(slot) != token:
+            raise AssertionError(f"{seat.request_id} overwrote a shared page at position {position}")
+        self.kv[slot] = token
+
+    def check_tables(self, core) -> None:
+        """Every running request's slot holds its pages, as the allocator has them (test-side check)."""
+        for request in core.scheduler.running:
+            if request.seated:
+                assert self.seats[request.slot].pages == core.allocator.page_table(request.request_id)
+
+
+def masked_choice(token: int, token_mask, index: int) -> int:
+    """`token` if the mask allows it, else the next allowed one after it (wrapping)."""
+    if token_mask is None:
+        return token
+    words = token_mask[index]
+    for offset in range(FakeRunner.vocab_size):
+        candidate = (token + offset) % FakeRunner.vocab_size
+        if (int(words[candidate // 32]) >> (candidate % 32)) & 1:
+            return candidate
+    raise AssertionError("the token mask allows nothing")
 
 
 def next_token(context: list[int]) -> int:

@@ -3,16 +3,20 @@ eager path. On a CPU the static-buffer path runs eagerly (capture=False); on a G
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore
-from flare.engine.cuda_graphs import DecodeBatch, DecodeGraphs, bucket_for
+from flare.engine.batch_slots import BatchSlots
+from flare.engine.cuda_graphs import DecodeGraphs, bucket_for
 from flare.engine.factory import load_checkpoint_model
 from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.runner import ModelRunner
 from flare.engine.sampling_params import SamplingParams
+from flare.engine.step import NewRequest, ScheduledRow, StepPlan
+from flare.engine.step_inputs import decode_rows
 from flare.frontend.tokenizer import load_tokenizer
 from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
 from tiny_checkpoints import write_tiny_checkpoint
@@ -49,10 +53,12 @@ def test_padded_rows_write_only_the_dummy_slot(stories260k):
     for cache in caches:
         cache.fill_(7.0)
     dummy = pages * page_size
-    graphs = DecodeGraphs(loaded.model, caches, (4,), max_pages=4, page_size=page_size, dummy_slot=dummy,
-                          max_seq_len=64, capture=False)
-    hidden, logits = graphs.run(DecodeBatch(input_ids=[5], positions=[0], slots=[3 * page_size],
-                                            seq_lens=[1], block_tables=[[3]]))
+    slots = BatchSlots(max_slots=2, max_pages=4, dummy_page=pages, device=torch.device("cpu"))
+    graphs = DecodeGraphs(loaded.model, caches, (4,), slots, page_size=page_size, max_seq_len=64, capture=False)
+    plan = StepPlan((ScheduledRow("r", 1, 0, 1, new_page_ids=(3,), samples=True),),
+                    (NewRequest("r", 1, (5,), (), SamplingParams()),))
+    slots.apply(plan)
+    hidden, logits = graphs.run(decode_rows(plan, slots))
     assert hidden.shape[0] == logits.shape[0] == 1 and torch.isfinite(logits).all()
     for cache in caches:
         slots = cache.flatten(1, 2)                                 # [2, slots, heads, dim]
@@ -63,11 +69,12 @@ def test_padded_rows_write_only_the_dummy_slot(stories260k):
 
 def test_a_batch_larger_than_the_catalog_is_refused(stories260k):
     loaded = load_checkpoint_model(stories260k, CONFIG)
-    graphs = DecodeGraphs(loaded.model, [torch.zeros(2, 2, 16, 1, 8)], (1, 2), max_pages=2, page_size=16,
-                          dummy_slot=16, max_seq_len=32, capture=False)
-    batch = DecodeBatch([1, 2, 3], [0, 0, 0], [0, 1, 2], [1, 1, 1], [[0], [0], [0]])
+    slots = BatchSlots(max_slots=3, max_pages=2, dummy_page=1, device=torch.device("cpu"))
+    graphs = DecodeGraphs(loaded.model, [torch.zeros(2, 2, 16, 1, 8)], (1, 2), slots, page_size=16,
+                          max_seq_len=32, capture=False)
+    rows = np.array([[0, 1, 2], [0, 0, 0], [1, 2, 3]])          # slot, position, token id of three rows
     with pytest.raises(ValueError, match="exceeds the largest captured graph"):
-        graphs.run(batch)
+        graphs.run(rows)
 
 
 def test_static_buffer_path_gives_the_eager_tokens(stories260k, checked):

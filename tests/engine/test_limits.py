@@ -58,7 +58,7 @@ def test_a_capped_pool_serves_one_request_of_the_full_context_beside_others():
     pool = size_kv_pool(memory_budget(DEVICE, headroom=GiB), FIXED,
                         KVGeometry(page_size=4, bytes_per_token=1024, max_context=64, max_concurrency=3), "context")
     config = engine_config_for_pool(pool, max_concurrency=3, prepared_context=64, prefill_chunk=16)
-    core = EngineCore(config, FakeRunner())
+    core = EngineCore(config, FakeRunner(config.page_size))
     add(core, "long", prompt(40), max_tokens=23)     # 63 tokens: the whole context
     add(core, "short-a", prompt(6, 1), max_tokens=8)
     add(core, "short-b", prompt(6, 2), max_tokens=8)
@@ -80,12 +80,12 @@ def test_max_concurrency_reduces_within_the_prepared_capacity():
 
 
 def test_the_engine_runs_no_more_requests_than_the_selected_concurrency():
-    core = EngineCore(EngineConfig(max_concurrency=2, prepared_concurrency=8, page_size=4, num_pages=64,
-                                   max_model_len=64), FakeRunner())
+    config = EngineConfig(max_concurrency=2, prepared_concurrency=8, page_size=4, num_pages=64, max_model_len=64)
+    core = EngineCore(config, FakeRunner(config.page_size))
     for i in range(5):
         add(core, f"r{i}", prompt(5, i), max_tokens=6)
     run_to_end(core)
-    assert max(len(s.chunks) for s in core.runner.steps) == 2
+    assert max(len(s.rows) for s in core.runner.steps) == 2
 
 
 def test_the_policy_travels_in_the_engine_config():
@@ -93,5 +93,5 @@ def test_the_policy_travels_in_the_engine_config():
     pool = size_kv_pool(memory_budget(DEVICE, headroom=GiB), FIXED, geometry(), "context")
     config = engine_config_for_pool(pool, max_concurrency=3, prepared_context=1000, prefill_chunk=256,
                                     scheduler_policy=policy)
-    assert EngineCore(config, FakeRunner()).scheduler.policy == policy
+    assert EngineCore(config, FakeRunner(config.page_size)).scheduler.policy == policy
     assert EngineConfig().scheduler_policy == SchedulerPolicy("balanced", 256, 1)

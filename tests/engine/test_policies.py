@@ -17,7 +17,8 @@ NO_TERMINAL_VALUE = SchedulerPolicy(terminal_value=0, terminal_age_price=0)
 
 
 def make_core(policy: SchedulerPolicy, clock=None, **settings) -> EngineCore:
-    core = EngineCore(EngineConfig(scheduler_policy=policy, **settings), FakeRunner())
+    config = EngineConfig(scheduler_policy=policy, **settings)
+    core = EngineCore(config, FakeRunner(config.page_size))
     if clock is not None:
         core.scheduler.clock = clock
     return core
@@ -43,9 +44,9 @@ def test_a_mixed_workload_finishes_with_nobody_starved(policy):
         for output in core.step():
             first_token_step.setdefault(output.request_id, step)
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        for chunk in core.runner.steps[-1].chunks if core.runner.steps else ():
-            if chunk.request.request_id not in admitted:
-                admitted.append(chunk.request.request_id)
+        for row in core.runner.steps[-1].rows if core.runner.steps else ():
+            if row.request_id not in admitted:
+                admitted.append(row.request_id)
         core.check_integrity()
         step += 1
         assert step < 1000, "the workload did not finish"
@@ -59,8 +60,9 @@ def test_a_mixed_workload_finishes_with_nobody_starved(policy):
 
 
 def test_balanced_keeps_cadence_and_throughput_fills_the_step():
+    # One step at a time, so the decoder's first token comes back from the step that computed it.
     settings = dict(max_concurrency=4, page_size=4, num_pages=64, max_model_len=128, prefill_chunk=8,
-                    max_num_batched_tokens=32)
+                    max_num_batched_tokens=32, one_step_ahead=False)
     caps = {}
     for name in ("balanced", "throughput"):
         core = make_core(SchedulerPolicy(name), **settings)
@@ -72,10 +74,11 @@ def test_balanced_keeps_cadence_and_throughput_fills_the_step():
         outputs = run_to_end(core)
         assert list(first.new_token_ids) + outputs["decoder"] == fake_continuation(prompt(3), 30)
         later = core.runner.steps[steps_before:]
-        caps[name] = max(sum(c.num_new_tokens for c in s.chunks if c.start < c.request.num_prompt_tokens)
+        prompt_length = {"decoder": 3, **{f"long{i}": 40 for i in range(3)}}
+        caps[name] = max(sum(r.num_new_tokens for r in s.rows if r.num_computed_tokens < prompt_length[r.request_id])
                          for s in later)
         # The decoder gets a token in every step until it finishes, under both policies.
-        decoder_steps = [any(c.request.request_id == "decoder" for c in s.chunks) for s in later]
+        decoder_steps = [any(r.request_id == "decoder" for r in s.rows) for s in later]
         assert decoder_steps == sorted(decoder_steps, reverse=True) and sum(decoder_steps) == 29
     assert caps["balanced"] <= 8 < caps["throughput"]
 
@@ -127,7 +130,7 @@ def first_victim(policy: SchedulerPolicy) -> str:
     for request_id, ids, max_tokens in (("oldest", prompt(5), 8), ("middle", prompt(4, 1), 8),
                                         ("terminal", prompt(3, 2), 3)):
         assert tokens[request_id] == fake_continuation(ids, max_tokens)
-    return next(rid for s in core.runner.steps for rid in s.preempted_ids)
+    return next(rid for s in core.runner.steps for rid in s.preempted_request_ids)
 
 
 def test_a_request_about_to_finish_is_not_the_preemption_victim():

@@ -159,7 +159,7 @@ def test_a_request_waiting_at_the_head_of_the_queue_hashes_each_page_once(make_f
     core.step()
     add(core, "long", first[:16] + prompt(12, 3), max_tokens=4)    # 4 pages cached, 4 more needed
     waited = 0
-    while "long" not in {chunk.request.request_id for chunk in core.runner.steps[-1].chunks}:
+    while "long" not in {row.request_id for row in core.runner.steps[-1].rows}:
         core.step()
         waited += 1
     run_to_end(core)

@@ -30,13 +30,15 @@ def prompt(length: int, start: int = 0) -> list[int]:
 
 
 def test_a_prompt_is_split_into_chunks_and_sampled_only_at_its_end(make_fake_core):
-    core = make_fake_core(prefill_chunk=4, page_size=4, num_pages=16, max_model_len=64, enable_prefix_caching=False)
+    # One step at a time, so each step's outputs come back from the call that ran it.
+    core = make_fake_core(prefill_chunk=4, page_size=4, num_pages=16, max_model_len=64, enable_prefix_caching=False,
+                          one_step_ahead=False)
     add(core, "a", prompt(10), max_tokens=3)
     sizes, sampled_at = [], []
     while core.has_unfinished():
         outputs = core.step()
         step = core.runner.steps[-1]
-        sizes.append(step.chunks[0].num_new_tokens)
+        sizes.append(step.rows[0].num_new_tokens)
         sampled_at.append(bool(outputs))
     assert sizes == [4, 4, 2, 1, 1]
     assert sampled_at == [False, False, True, True, True]
@@ -50,7 +52,7 @@ def test_decode_and_prefill_share_a_step_within_the_token_budget(make_fake_core)
     add(core, "b", prompt(20, 1), max_tokens=2)
     core.step()
     step = core.runner.steps[-1]
-    assert [(c.request.request_id, c.num_new_tokens) for c in step.chunks] == [("a", 1), ("b", 5)]
+    assert [(r.request_id, r.num_new_tokens) for r in step.rows] == [("a", 1), ("b", 5)]
     run_to_end(core)
     assert all(s.num_batched_tokens <= 6 for s in core.runner.steps)
 
@@ -61,7 +63,7 @@ def test_concurrency_is_capped_and_every_request_gets_its_own_continuation(make_
     for i, (request_id, ids) in enumerate(prompts.items()):
         add(core, request_id, ids, max_tokens=5 + i)
     tokens = run_to_end(core)
-    assert all(len({c.request.request_id for c in s.chunks}) <= 3 for s in core.runner.steps)
+    assert all(len({r.request_id for r in s.rows}) <= 3 for s in core.runner.steps)
     for i, (request_id, ids) in enumerate(prompts.items()):
         assert tokens[request_id] == fake_continuation(ids, 5 + i)
 
@@ -73,7 +75,7 @@ def test_running_out_of_pages_preempts_the_newest_and_loses_no_tokens(make_fake_
     for request_id, ids in prompts.items():
         add(core, request_id, ids, max_tokens=12)
     tokens = run_to_end(core)
-    preempted = [rid for s in core.runner.steps for rid in s.preempted_ids]
+    preempted = [rid for s in core.runner.steps for rid in s.preempted_request_ids]
     assert preempted, "the test needs the cache to run out"
     assert "r0" not in preempted                    # the oldest request is never the victim
     for request_id, ids in prompts.items():
@@ -92,9 +94,9 @@ def test_the_head_of_the_queue_is_not_overtaken(make_fake_core):
     admitted = []
     while core.has_unfinished():
         core.step()
-        for chunk in core.runner.steps[-1].chunks:
-            if chunk.request.request_id not in admitted:
-                admitted.append(chunk.request.request_id)
+        for row in core.runner.steps[-1].rows:
+            if row.request_id not in admitted:
+                admitted.append(row.request_id)
     assert admitted == ["first", "long", "short"]
 
 
@@ -136,7 +138,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(make_fake_core):
         reports += core.step()
     assert reports[0].num_cached_tokens == 12
     assert [t for r in reports for t in r.new_token_ids] == first["a"]
-    assert core.runner.steps[-3].chunks[0].num_new_tokens == 1   # only the last prompt token computed
+    assert core.runner.steps[-3].rows[0].num_new_tokens == 1     # only the last prompt token computed
 
 
 def test_a_prompt_is_validated_once_where_it_enters_the_engine(make_fake_core, monkeypatch):

@@ -146,13 +146,13 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
     real_warm_up = compile_cache.warm_up
 
     def observed(core, vocab_size, prompt_tokens):
-        def execute(scheduled, allocator, real_execute=core.runner.execute):
-            lengths = [chunk.num_new_tokens for chunk in scheduled.chunks]
+        def launch(plan, real_launch=core.runner.launch):
+            lengths = [row.num_new_tokens for row in plan.rows]
             if 1 in lengths and max(lengths) > 1:
                 seen["mixed_steps"] += 1
-            return real_execute(scheduled, allocator)
+            return real_launch(plan)
 
-        core.runner.execute = execute
+        core.runner.launch = launch
         real_warm_up(core, vocab_size, prompt_tokens)
         seen.update(prompt_tokens=prompt_tokens, stats=core.stats(check_integrity=True))
 

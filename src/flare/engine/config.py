@@ -31,6 +31,8 @@ class EngineConfig:
     # The decode batch sizes the runner captures as graphs: a package's plan records them
     # (`recipes.base.decode_capacities_for`); empty means the standard catalog for max_concurrency.
     decode_graph_sizes: tuple[int, ...] = ()
+    # Plan and launch step N+1 while step N runs, its sampled ids staying on the device (EngineCore).
+    one_step_ahead: bool = True
 
     def __post_init__(self) -> None:
         self._settle_graph_sizes()

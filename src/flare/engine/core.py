@@ -1,32 +1,48 @@
-"""EngineCore: requests in, token ids out. Scheduler + page allocator + model runner, one step at a time.
+"""EngineCore: requests in, token ids out. Scheduler + page allocator + model runner, one step ahead.
 
 The core speaks token ids only; text, stop strings and streaming live in the frontend
 (`flare.frontend.output_processor`). The same core runs in-process (`LLMEngine`) and in its own
-process (`flare.engine.core_process`).
+process (`flare.engine.core_process`). It hands the runner a `flare.engine.step.StepPlan` per step and
+reads back a `StepResult`; the runner never sees the allocator or a Request.
+
+Hot path: keep it small.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from flare.engine.config import EngineConfig
 from flare.engine.kv_cache import KVCacheIntegrityError, PageAllocator
 from flare.engine.outputs import CoreOutput
-from flare.engine.request import EngineRequest, Request, check_stop
-from flare.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from flare.engine.request import EngineRequest, Request, RequestStatus, check_stop
+from flare.engine.scheduler import Scheduler, SchedulerOutput
+from flare.engine.step import PendingStep, ScheduledRow, StepPlan, StepRunner
 
 
 class InvalidRequest(ValueError):
     """A request the engine cannot take as given; the message says what to change."""
 
 
-class Runner(Protocol):
-    vocab_size: int
+class TokenMasker(Protocol):
+    """Grammar-constrained decoding plugs in here: the tokens a request may sample next."""
 
-    def execute(self, scheduled: SchedulerOutput, allocator: PageAllocator) -> RunnerOutput: ...
+    def constrains(self, request: Request) -> bool: ...
+
+    def next_token_mask(self, request: Request) -> np.ndarray:
+        """int32 [ceil(V / 32)] for the token after the request's received ones (step.ScheduledRow.token_mask)."""
+
+
+class Drafter(Protocol):
+    """Speculative decoding plugs in here: draft tokens to verify after a request's next token."""
+
+    def propose(self, request: Request) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -48,17 +64,38 @@ class EngineStats:
     page_integrity: str = "unchecked"
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A step on its way: its plan, the request behind each row, and whether the next plan may be made
+    before its ids arrive."""
+
+    plan: StepPlan
+    requests: tuple[Request, ...]
+    pending: PendingStep
+    runs_ahead: bool
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: Runner, eos_token_ids: Iterable[int] = ()) -> None:
+    """`config.one_step_ahead`: plan and launch step N+1 before reading step N's ids (they stay on the
+    device and feed step N+1 there), so the host's work overlaps the device's. Outputs are the same
+    token for token; a request that finishes at step N wastes its row of step N+1. Steps whose requests
+    need their ids on the host before they are planned again (a token mask, draft tokens, a runner that
+    samples them on the host) are read before the next plan instead."""
+
+    def __init__(self, config: EngineConfig, runner: StepRunner, eos_token_ids: Iterable[int] = (),
+                 token_masker: TokenMasker | None = None, drafter: Drafter | None = None) -> None:
         self.config = config
         self.runner = runner
+        runner.reset()
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.token_masker = token_masker
+        self.drafter = drafter
         self.allocator = PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        self._num_preemptions = 0
         self._num_computed_tokens = 0
+        self._in_flight: _Launched | None = None
 
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request from an in-process caller; InvalidRequest for a prompt the engine cannot serve."""
@@ -91,22 +128,30 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[CoreOutput]:
-        """Schedule, run the model once and return the news of every request that got a token."""
-        if not self.scheduler.has_unfinished():
-            return []
-        scheduled = self.scheduler.schedule()
-        self._num_preemptions += len(scheduled.preempted_ids)
-        if not scheduled.chunks:
-            return []
-        return self._update(scheduled, self.runner.execute(scheduled, self.allocator))
+        """Launch the next step, then return the news of every request that got a token: from the step
+        launched before it (one step ahead), or from this one when it cannot run ahead."""
+        previous, self._in_flight = self._in_flight, None
+        launched = self._launch() if self.scheduler.has_unfinished() else None
+        outputs = self._receive(previous) if previous is not None else []
+        if launched is not None:
+            if self.config.one_step_ahead and launched.runs_ahead:
+                self._in_flight = launched
+            else:
+                outputs += self._receive(launched)
+        return outputs
 
     def check_integrity(self) -> None:
         """Raise KVCacheIntegrityError if a page is leaked or double-owned; also check the request lists."""
         self.allocator.check_integrity()
-        queued = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
-        if queued != set(self.requests):
-            raise KVCacheIntegrityError(f"scheduler holds {sorted(queued)} but the core tracks {sorted(self.requests)}")
-        for request in self.scheduler.running:
+        scheduler = self.scheduler
+        queued = {r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
+        if queued | set(scheduler.retired) != set(self.requests):
+            raise KVCacheIntegrityError(f"scheduler holds {sorted(queued | set(scheduler.retired))} "
+                                        f"but the core tracks {sorted(self.requests)}")
+        slots = [r.slot for r in scheduler.running]
+        if None in slots or len(set(slots)) != len(slots):
+            raise KVCacheIntegrityError(f"running requests hold batch slots {slots}: one each, none shared")
+        for request in scheduler.running:
             held = len(self.allocator.page_table(request.request_id))
             if held < self.allocator.pages_for(request.num_computed_tokens):
                 raise KVCacheIntegrityError(
@@ -117,7 +162,7 @@ class EngineCore:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_pages,
-            num_preemptions=self._num_preemptions,
+            num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             prefix_cache_miss_tokens=self.scheduler.num_prefix_miss_tokens,
             prefix_cache_evicted_pages=self.allocator.num_evicted_pages,
@@ -138,28 +183,94 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
 
-    def _update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[CoreOutput]:
+    def _launch(self) -> _Launched | None:
+        """Plan the next step and start it; the requests advance as if it had run already."""
+        if self.drafter is not None:
+            self._propose_drafts()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.plan.rows:
+            return None
+        plan = self._with_token_masks(scheduled)
+        pending = self.runner.launch(plan)
+        runs_ahead = True
+        for row, request in zip(plan.rows, scheduled.requests):
+            request.num_computed_tokens += row.num_fed_tokens
+            if row.samples:
+                request.num_pending_outputs += 1
+                runs_ahead = runs_ahead and self._samples_ahead(row, request)
+                if request.tokens_left(self.config.max_model_len) <= 0:
+                    self.scheduler.retire(request)          # its last token is sampled: nothing to plan
+            self._commit(request)
+        return _Launched(plan, scheduled.requests, pending, runs_ahead)
+
+    def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
+        """Whether the request's next row may be planned before this one's ids arrive."""
+        return (not row.draft_token_ids and row.token_mask is None and self.drafter is None
+                and self.runner.samples_ahead(request.params))
+
+    def _propose_drafts(self) -> None:
+        for request in self.scheduler.running:
+            decoding = request.num_uncomputed_tokens == 1 and request.num_pending_outputs == 0
+            constrained = self.token_masker is not None and self.token_masker.constrains(request)
+            request.draft_token_ids = self.drafter.propose(request) if decoding and not constrained else ()
+
+    def _with_token_masks(self, scheduled: SchedulerOutput) -> StepPlan:
+        """The plan with the next-token masks of its constrained sampling rows."""
+        plan, masker = scheduled.plan, self.token_masker
+        if masker is None:
+            return plan
+        rows = tuple(dataclasses.replace(row, token_mask=masker.next_token_mask(request)[None, :])
+                     if row.samples and masker.constrains(request) else row
+                     for row, request in zip(plan.rows, scheduled.requests))
+        return dataclasses.replace(plan, rows=rows)
+
+    def _commit(self, request: Request) -> None:
+        """Record the cached pages of the request's computed tokens whose ids are known. A retired request
+        gives its pages back once they are all recorded: in the step that retired it, or when the id it
+        was still waiting for arrives (before the next plan either way)."""
+        if request.status not in (RequestStatus.RUNNING, RequestStatus.RETIRED):
+            return
+        if not self.allocator.holds(request.request_id):
+            return
+        computed = min(request.num_computed_tokens, request.num_known_tokens)
+        self.allocator.commit(request.request_id, request.all_token_ids, computed)
+        if request.status is RequestStatus.RETIRED and computed == request.num_computed_tokens:
+            self.allocator.free(request.request_id)
+
+    def _receive(self, launched: _Launched) -> list[CoreOutput]:
+        """Wait for a launched step's ids and bring its requests up to date; the rows of requests that
+        finished or were aborted meanwhile are waste, and dropped."""
+        result = launched.pending.result()
         outputs = []
-        for chunk in scheduled.chunks:
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_new_tokens
-            self._num_computed_tokens += chunk.num_new_tokens
-            self.allocator.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
-            if request.request_id in result.prompt_logprobs:
-                request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
-            if chunk.completes:
-                outputs.append(self._append_token(request, result))
+        for index, (row, request) in enumerate(zip(launched.plan.rows, launched.requests)):
+            if request.status is RequestStatus.FINISHED:
+                continue
+            accepted = len(result.token_ids[index]) - 1 if row.samples else 0
+            self._num_computed_tokens += row.num_fed_tokens + accepted
+            found = result.row_prompt_logprobs(index)
+            if found is not None:
+                add_prompt_logprobs(request, found.first_token, found.entries)
+            if row.samples:
+                outputs.append(self._append_tokens(request, result.token_ids[index], result.row_logprobs(index)))
         return outputs
 
-    def _append_token(self, request: Request, result: RunnerOutput) -> CoreOutput:
-        request.append_output_token(result.sampled[request.request_id])
-        finished = check_stop(request, self.eos_token_ids, self.config.max_model_len)
-        logprob = result.logprobs.get(request.request_id)
-        first = request.num_output_tokens == 1
+    def _append_tokens(self, request: Request, token_ids, logprobs) -> CoreOutput:
+        """The ids one sampling row brought (accepted drafts, then a sampled one), up to a finish."""
+        request.num_pending_outputs -= 1
+        if request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens += len(token_ids) - 1      # the accepted drafts' K/V is valid
+        first = not request.output_token_ids
+        taken = 0
+        finished = False
+        while taken < len(token_ids) and not finished:
+            request.append_output_token(token_ids[taken])
+            taken += 1
+            finished = check_stop(request, self.eos_token_ids, self.config.max_model_len)
+        self._commit(request)
         output = CoreOutput(
             request_id=request.request_id,
-            new_token_ids=(request.output_token_ids[-1],),
-            new_logprobs=(logprob,) if logprob is not None else (),
+            new_token_ids=tuple(token_ids[:taken]),
+            new_logprobs=tuple(logprobs[:taken]),
             finish_reason=request.finish_reason,
             stop_token_id=request.stop_token_id,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -169,7 +280,19 @@ class EngineCore:
         if finished:
             del self.requests[request.request_id]
             self.scheduler.finish(request)
+        elif request.status is RequestStatus.RETIRED and request.num_pending_outputs == 0:
+            raise KVCacheIntegrityError(f"request {request.request_id!r} retired but did not finish")
         return output
+
+
+def add_prompt_logprobs(request: Request, first_token: int, entries) -> None:
+    """Extend the request's prompt logprobs with the entries it lacks (a chunk replayed after a preemption
+    scores positions it has already)."""
+    have = len(request.prompt_logprobs)
+    if first_token > have:
+        raise KVCacheIntegrityError(
+            f"request {request.request_id!r}: prompt logprobs from token {first_token}, but it has {have}")
+    request.prompt_logprobs.extend(entries[have - first_token:])
 
 
 def validate_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:

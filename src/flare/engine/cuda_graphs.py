@@ -3,10 +3,13 @@
 A decode step is hundreds of small kernels; launched one by one from Python, their launch gaps cost
 more than the weights take to read. A captured graph launches them all at once. The sizes captured
 are `EngineConfig.decode_graph_sizes`, which a package's plan records. Graphs replay on fixed
-addresses, so the step's inputs live in static buffers sized for the largest batch: each step
-copies its rows in, pads the rest up to the smallest captured size that holds the batch, and
-replays. Padded rows read token 0 at position 0, write their K/V into a dummy slot that no request
-owns, and have an empty context (their attention output is zero); their logits are never read.
+addresses, so a step's rows live in one static buffer sized for the largest batch: each row's
+batch slot, position and host token id, copied in with one transfer and padded up to the smallest
+captured size that holds the batch. Everything else is derived inside the graph from the runner's
+persistent slot state (`flare.engine.batch_slots`): the input id (the slot's last sampled id when the
+host has none), the page table rows, each row's K/V slot and context length. Padded rows use the
+padding slot, whose table is the dummy page: they read token 0 at position 0, write their K/V into a
+dummy slot that no request owns, and have an empty context; their logits are never read.
 
 The graph computes hidden states and float32 logits. Sampling stays outside it, on the logits of the
 real rows, so the sampler (seeded generators, penalties, logprobs) is exactly the eager one.
@@ -19,9 +22,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from flare.engine.batch_slots import BatchSlots, to_device
+from flare.engine.step_inputs import FROM_LAST_SAMPLED
 
 
 def runs_triton_attention(model) -> bool:
@@ -39,42 +45,26 @@ def bucket_for(batch: int, sizes: Sequence[int]) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
-@dataclass(frozen=True)
-class DecodeBatch:
-    """One decode step's rows: each sequence's new token, its position, K/V slot, context and pages."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
 class DecodeGraphs:
-    """Static input buffers and one captured decode graph per catalog size.
+    """The static row buffer and one captured decode graph per catalog size.
 
-    `dummy_slot` is a KV slot no request owns (the runner allocates one page more than the allocator
-    hands out); `max_seq_len` is the longest context a graph serves (it fixes the split-K count of
-    decode attention inside the graph).
-    """
+    `max_seq_len` is the longest context a graph serves (it fixes the split-K count of decode attention
+    inside the graph)."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], sizes: Sequence[int], max_pages: int,
-                 page_size: int, dummy_slot: int, max_seq_len: int, capture: bool = True) -> None:
-        self.model, self.kv_caches = model, kv_caches
+    def __init__(self, model, kv_caches: list[torch.Tensor], sizes: Sequence[int], slots: BatchSlots,
+                 page_size: int, max_seq_len: int, capture: bool = True) -> None:
+        self.model, self.kv_caches, self.slots = model, kv_caches, slots
         self.sizes = tuple(sizes)
-        self.page_size, self.dummy_slot, self.max_seq_len = page_size, dummy_slot, max_seq_len
+        self.page_size, self.max_seq_len = page_size, max_seq_len
         self.capture = capture
         device = kv_caches[0].device
         largest = self.sizes[-1]
+        self.rows = torch.zeros(3, largest, dtype=torch.int64, device=device)      # slot, position, host id
+        self.rows[0] = slots.padding_row
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), dummy_slot, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(largest, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((largest, max_pages), dummy_slot // page_size, dtype=torch.int32,
-                                       device=device)
+        self.block_tables = torch.zeros(largest, slots.max_pages, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -82,6 +72,11 @@ class DecodeGraphs:
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
+
+    @property
+    def row_slots(self) -> torch.Tensor:
+        """The batch slot of each row of the latest step (padding rows: the padding slot)."""
+        return self.rows[0]
 
     def metadata(self, size: int):
         """The AttentionMetadata of a `size`-row step: views of the static buffers."""
@@ -92,9 +87,21 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
             max_query_len=1, max_seq_len=self.max_seq_len, page_size=self.page_size)
 
+    def _derive(self, size: int) -> None:
+        """Input ids, page tables, K/V slots and context lengths of the rows, from the slots' state."""
+        slots, positions, host_ids = self.rows[:, :size]
+        sampled = self.slots.last_sampled.index_select(0, slots)
+        self.input_ids[:size].copy_(torch.where(host_ids == FROM_LAST_SAMPLED, sampled, host_ids))
+        tables = self.block_tables[:size]
+        torch.index_select(self.slots.page_tables, 0, slots, out=tables)
+        pages = tables.gather(1, (positions // self.page_size)[:, None])[:, 0]
+        self.slot_mapping[:size].copy_(pages.to(torch.int64) * self.page_size + positions % self.page_size)
+        self.seq_lens[:size].copy_(torch.where(slots == self.slots.padding_row, 0, positions + 1))
+
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the first `size` rows of the static buffers: (hidden [size, H], logits [size, V])."""
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self.metadata(size))
+        self._derive(size)
+        hidden = self.model(self.input_ids[:size], self.rows[1, :size], self.kv_caches, self.metadata(size))
         return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -116,34 +123,20 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def run(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the batch into the static buffers, pad, replay; (hidden, logits) of the real rows."""
-        rows = len(batch)
-        size = bucket_for(rows, self.sizes)
+    def run(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [3, B] int64 (slot, position, host id or FROM_LAST_SAMPLED per row): copy in, pad, replay;
+        (hidden, logits) of the real rows."""
+        count = rows.shape[1]
+        size = bucket_for(count, self.sizes)
         if size is None:
-            raise ValueError(f"a decode batch of {rows} exceeds the largest captured graph ({self.max_batch})")
-        self._load(batch, size)
+            raise ValueError(f"a decode batch of {count} exceeds the largest captured graph ({self.max_batch})")
+        padded = np.zeros((3, size), dtype=np.int64)
+        padded[0] = self.slots.padding_row
+        padded[:, :count] = rows
+        self.rows[:, :size].copy_(to_device(padded, self.rows.device))
         if self.capture:
             self.graphs[size].replay()
             hidden, logits = self.outputs[size]
         else:
             hidden, logits = self.forward(size)
-        return hidden[:rows], logits[:rows]
-
-    def _load(self, batch: DecodeBatch, size: int) -> None:
-        """Rows 0..len(batch) from the batch, rows up to `size` padding (token 0 at position 0, K/V into
-        the dummy slot, no context). Padding rows keep stale page tables: with no context they read none."""
-        rows, pad = len(batch), size - len(batch)
-        columns = torch.tensor([batch.input_ids + [0] * pad, batch.positions + [0] * pad,
-                                batch.slots + [self.dummy_slot] * pad, batch.seq_lens + [0] * pad],
-                               dtype=torch.int64)
-        width = max(len(table) for table in batch.block_tables)
-        tables = torch.zeros(rows, width, dtype=torch.int32)
-        rows_view = tables.numpy()              # row slices through numpy: ~3x faster than nested lists
-        for row, table in enumerate(batch.block_tables):
-            rows_view[row, :len(table)] = table
-        self.input_ids[:size].copy_(columns[0], non_blocking=True)
-        self.positions[:size].copy_(columns[1], non_blocking=True)
-        self.slot_mapping[:size].copy_(columns[2], non_blocking=True)
-        self.seq_lens[:size].copy_(columns[3], non_blocking=True)
-        self.block_tables[:rows, :width].copy_(tables, non_blocking=True)
+        return hidden[:count], logits[:count]

@@ -73,6 +73,10 @@ class PageAllocator:
         """Whether `request_id`'s pages can grow to hold `num_tokens` tokens in total."""
         return self._pages_missing(request_id, num_tokens) <= self.num_free_pages
 
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` holds pages (a page table) now."""
+        return request_id in self._page_tables
+
     def page_table(self, request_id: str) -> list[int]:
         """The request's pages in token order (read-only for callers)."""
         return self._page_tables.get(request_id, [])

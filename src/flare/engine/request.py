@@ -21,6 +21,7 @@ class EngineRequest:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"      # queued, or preempted and waiting to recompute
     RUNNING = "running"
+    RETIRED = "retired"      # every token it may have is sampled; holds no pages or slot, awaits its last ids
     FINISHED = "finished"
 
 
@@ -30,6 +31,10 @@ class Request:
     The one rule of progress: `num_computed_tokens` (tokens whose K/V sit in the cache) catches up to
     `num_tokens` (prompt plus output). A chunk of prefill, a decode step and the recomputation after a
     preemption all advance the same counter; a token is sampled when the counter reaches the end.
+
+    One step ahead, the core plans with tokens that are sampled but not yet on the host: they count in
+    `num_tokens` and `num_output_tokens` (`num_pending_outputs` of them) but are not in the id lists
+    until they arrive, in order. The counter advances when a step is launched.
     """
 
     def __init__(self, request: EngineRequest, arrival: int) -> None:
@@ -46,12 +51,23 @@ class Request:
         self.terminal_since: float | None = None   # clock time the scheduler first saw it one token from the end
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
-        self.generator = None               # torch.Generator for a seeded request, made by the runner
+        self.generator = None               # the host Sampler's torch.Generator for a seeded request
+        self.num_pending_outputs = 0        # sampled tokens whose ids have not reached the host yet
+        self.slot: int | None = None        # batch slot while running
+        self.seated = False                 # the runner holds the request in its slot
+        self.num_pages_sent = 0             # pages of its table the runner was given
+        self.draft_token_ids: tuple[int, ...] = ()   # proposed for the next step (speculation)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if request.params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, those still on their way to the host included."""
+        return len(self.all_token_ids) + self.num_pending_outputs
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids the core holds."""
         return len(self.all_token_ids)
 
     @property
@@ -60,7 +76,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_pending_outputs
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -85,15 +101,16 @@ class Request:
 
 
 def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int) -> bool:
-    """Finish `request` if its newest token ends it; return whether it did.
+    """Finish `request` if its newest received token ends it; return whether it did.
 
-    Order as users of vLLM expect: a stop or EOS token wins over the length limit reached by the same token.
+    Order as users of vLLM expect: a stop or EOS token wins over the length limit reached by the same
+    token. Tokens still on their way to the host do not count: they come after this one.
     """
     last = request.output_token_ids[-1]
     params = request.params
     if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
         request.finish_reason, request.stop_token_id = "stop", last
-    elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+    elif len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
         request.finish_reason = "length"
     else:
         return False

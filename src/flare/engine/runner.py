@@ -1,22 +1,31 @@
-"""Model runner (hot path, keep it small): scheduled chunks -> one forward pass -> sampled tokens.
+"""Model runner (hot path, keep it small): a StepPlan -> one forward pass -> sampled ids, on the device.
 
-Flattens the step's chunks into one token batch with its AttentionMetadata, runs the model, takes the
-hidden row of each chunk's last token (and every prompt row when prompt logprobs are asked), computes
-logits and samples on the device.
+The runner implements `flare.engine.step.StepRunner`: it applies a plan's deltas to its batch slots
+(`flare.engine.batch_slots`), builds the step's inputs from them (`flare.engine.step_inputs`), runs the
+model, samples, and writes each sampled id into its slot's `last_sampled` entry, where the slot's next
+decode reads it. `launch` returns before anything is read back: the ids, logprobs and prompt logprobs
+travel to host memory behind the step on the device's queue, and `PendingStep.result()` waits for them.
+Nothing in `launch` waits for the device.
 
-On CUDA, a step whose chunks all bring one token (decode) replays a captured graph of the smallest
-catalog size that holds it (flare.engine.cuda_graphs); other steps run the model directly (compiled
-when `compile_model` was applied). Sampling is the same code on both paths.
+On CUDA, a step whose rows all feed one token and sample (decode) replays a captured graph of the
+smallest catalog size that holds it (flare.engine.cuda_graphs); other steps run the model directly
+(compiled when `compile_model` was applied). Sampling is the same code on both paths.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+from flare.engine.batch_slots import BatchSlots, SlotRequest, to_device
 from flare.engine.config import EngineConfig
-from flare.engine.kv_cache import PageAllocator
-from flare.engine.sampler import Sampler, gather_logprobs
-from flare.engine.scheduler import RunnerOutput, ScheduledChunk, SchedulerOutput
+from flare.engine.logprobs import SelectedLogprobs, select_logprobs
+from flare.engine.sampler import Sampler
+from flare.engine.sampling_params import SamplingParams
+from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult
+from flare.engine.step_inputs import decode_rows, flat_inputs
 
 
 class ModelRunner:
@@ -39,9 +48,9 @@ class ModelRunner:
             from flare.engine.cuda_graphs import runs_triton_attention
 
             graphs = on_cuda and runs_triton_attention(model)
-        # Graphs pad their batches; padded rows write into one extra page that the allocator never hands out.
-        num_pages = config.num_pages + (1 if graphs else 0)
-        self.kv_caches = allocate_kv_caches(model_config, num_pages, config.page_size, dtype, self.device)
+        # Padded rows (graphs) and the padding slot write into one extra page the allocator never hands out.
+        self.kv_caches = allocate_kv_caches(model_config, config.num_pages + 1, config.page_size, dtype, self.device)
+        self.slots = BatchSlots(config.max_concurrency, config.max_pages_per_request, config.num_pages, self.device)
         self.graphs = None
         if graphs:
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
@@ -50,100 +59,126 @@ class ModelRunner:
         from flare.engine.cuda_graphs import DecodeGraphs
 
         config = self.config
-        graphs = DecodeGraphs(self.model, self.kv_caches, config.decode_graph_sizes,
-                              max_pages=config.max_pages_per_request, page_size=config.page_size,
-                              dummy_slot=config.num_pages * config.page_size, max_seq_len=config.max_model_len,
-                              capture=capture)
+        graphs = DecodeGraphs(self.model, self.kv_caches, config.decode_graph_sizes, self.slots,
+                              page_size=config.page_size, max_seq_len=config.max_model_len, capture=capture)
         graphs.capture_all()
         return graphs
 
+    def reset(self) -> None:
+        self.slots.reset()          # the sampler's penalty counts go with the slot requests they are held by
+
+    def samples_ahead(self, params: SamplingParams) -> bool:
+        """The host sampler counts penalties from the output ids on the host, so it needs them first."""
+        return params.repetition_penalty == 1.0 and not (params.presence_penalty or params.frequency_penalty)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Launch the step and wait for its result."""
+        return self.launch(plan).result()
+
     @torch.inference_mode()
-    def execute(self, scheduled: SchedulerOutput, allocator: PageAllocator) -> RunnerOutput:
-        chunks = scheduled.chunks
-        self.sampler.forget(scheduled.preempted_ids)       # their counts are rebuilt when they resume
-        sampling = [i for i, chunk in enumerate(chunks) if chunk.completes]
-        if self._fits_graph(chunks):
-            hidden, logits = self.graphs.run(self._decode_batch(chunks, allocator))
-            query_start = list(range(len(chunks) + 1))
-            logits = logits if len(sampling) == len(chunks) else logits[sampling]
+    def launch(self, plan: StepPlan) -> PendingResult:
+        if any(row.draft_token_ids for row in plan.rows):
+            raise NotImplementedError("draft tokens: this runner does not verify speculative tokens yet")
+        self.slots.apply(plan)
+        self.sampler.forget(plan.preempted_request_ids)     # their counts are rebuilt when they resume
+        states = [self.slots.requests[row.slot] for row in plan.rows]
+        sampling = [i for i, row in enumerate(plan.rows) if row.samples]
+        if self._fits_graph(plan.rows):
+            hidden, logits = self.graphs.run(decode_rows(plan, self.slots))
+            query_start, sample_slots = list(range(len(plan.rows) + 1)), self.graphs.row_slots[:len(plan.rows)]
         else:
-            input_ids, positions, meta, query_start = self._prepare(chunks, allocator)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            last_rows = [query_start[i + 1] - 1 for i in sampling]      # each chunk's last token
-            logits = self.model.compute_logits(hidden[last_rows]) if sampling else None
-        prompt_logprobs = self._prompt_logprobs(chunks, hidden, query_start)
-        if not sampling:
-            return RunnerOutput({}, {}, prompt_logprobs)
-        requests = [chunks[i].request for i in sampling]
-        result = self.sampler(logits, requests)
-        ids = [r.request_id for r in requests]
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+            inputs = flat_inputs(plan, self.slots, self.config.page_size)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)) if sampling else None
+            query_start = inputs.query_start
+            sample_slots = to_device(np.array([plan.rows[i].slot for i in sampling], dtype=np.int64), self.device)
+        pending = PendingResult(plan, states, sampling)
+        pending.prompt = self._prompt_logprobs(plan.rows, states, hidden, query_start)
+        if sampling:
+            self._sample(pending, [states[i] for i in sampling], [plan.rows[i] for i in sampling], logits,
+                         sample_slots)
+        if self.device.type == "cuda":
+            pending.copied = torch.cuda.Event()
+            pending.copied.record()             # behind the step's copies to the host
+        return pending
 
-    def _fits_graph(self, chunks: tuple[ScheduledChunk, ...]) -> bool:
-        return (self.graphs is not None and len(chunks) <= self.graphs.max_batch
-                and all(chunk.num_new_tokens == 1 for chunk in chunks))
+    def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
+        return (self.graphs is not None and len(rows) <= self.graphs.max_batch
+                and all(row.num_new_tokens == 1 and row.samples for row in rows))
 
-    def _decode_batch(self, chunks: tuple[ScheduledChunk, ...], allocator: PageAllocator):
-        """One token per chunk: the rows a decode graph reads."""
-        from flare.engine.cuda_graphs import DecodeBatch
+    def _sample(self, pending: PendingResult, states: list[SlotRequest], rows: list[ScheduledRow],
+                logits: torch.Tensor, sample_slots: torch.Tensor) -> None:
+        """Sample the rows' next ids into their slots' `last_sampled`; start the ids (and the logprobs
+        of the raw model distribution, for rows that asked) on their way to the host."""
+        asked = [i for i, state in enumerate(states) if state.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[asked], dim=-1) if asked else None
+        masked = [i for i, row in enumerate(rows) if row.token_mask is not None]
+        if masked:
+            logits = self._apply_token_masks(logits, rows, masked)
+        token_ids = self.sampler.sample(logits, states)
+        self.slots.last_sampled.index_copy_(0, sample_slots, token_ids)
+        pending.token_ids = token_ids.to("cpu", non_blocking=True)
+        if asked:
+            index = to_device(np.array(asked, dtype=np.int64), self.device)
+            most = max(states[i].params.logprobs for i in asked)
+            pending.logprobs = (asked, select_logprobs(raw_logprobs, token_ids[index], most).to_host())
 
-        page_size = self.config.page_size
-        tables = [allocator.page_table(chunk.request.request_id) for chunk in chunks]
-        positions = [chunk.start for chunk in chunks]
-        return DecodeBatch(
-            input_ids=[chunk.request.all_token_ids[chunk.start] for chunk in chunks],
-            positions=positions,
-            slots=[table[p // page_size] * page_size + p % page_size for table, p in zip(tables, positions)],
-            seq_lens=[p + 1 for p in positions],
-            block_tables=tables)
+    def _apply_token_masks(self, logits: torch.Tensor, rows: list[ScheduledRow], masked: list[int]) -> torch.Tensor:
+        from flare.engine.token_mask import apply_token_bitmask
 
-    def _prepare(self, chunks: tuple[ScheduledChunk, ...], allocator: PageAllocator):
-        from flare.engine.attention import AttentionMetadata, leading_decodes
+        words = -(-logits.shape[1] // 32)
+        bitmask = np.full((len(rows), words), -1, dtype=np.int32)       # unmasked rows: every token allowed
+        for i in masked:
+            bitmask[i] = rows[i].token_mask[0]
+        return apply_token_bitmask(logits, to_device(bitmask, self.device))
 
-        page_size = self.config.page_size
-        input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
-        tables = [allocator.page_table(chunk.request.request_id) for chunk in chunks]
-        for chunk, table in zip(chunks, tables):
-            end = chunk.start + chunk.num_new_tokens
-            input_ids += chunk.request.all_token_ids[chunk.start:end]
-            span = range(chunk.start, end)
-            positions += span
-            slots += [table[p // page_size] * page_size + p % page_size for p in span]
-            query_start.append(query_start[-1] + chunk.num_new_tokens)
-            seq_lens.append(end)
-        width = max(len(table) for table in tables)
-        query_lens = [chunk.num_new_tokens for chunk in chunks]
-        block_tables = [table + [0] * (width - len(table)) for table in tables]
-        device = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            page_size=page_size,
-            num_decodes=leading_decodes(query_lens),          # the scheduler puts decodes first
-        )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device), meta, query_start)
-
-    def _prompt_logprobs(self, chunks, hidden: torch.Tensor, query_start: list[int]) -> dict[str, list]:
-        """Logprobs of the prompt tokens each chunk predicts: the row at position p scores token p + 1."""
+    def _prompt_logprobs(self, rows, states, hidden: torch.Tensor, query_start: list[int]) -> dict:
+        """Logprobs of the prompt tokens each row predicts: the row at position p scores token p + 1."""
         found = {}
-        for i, chunk in enumerate(chunks):
-            request = chunk.request
-            if not request.wants_prompt_logprobs:
+        for i, (row, state) in enumerate(zip(rows, states)):
+            if state.params.prompt_logprobs is None:
                 continue
-            # Positions whose next token is a prompt token still lacking its logprob (a chunk replayed
-            # after a preemption skips those already known).
-            first = max(chunk.start, len(request.prompt_logprobs) - 1)
-            last = min(chunk.start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
+            first, last = row.num_computed_tokens, min(row.num_computed_tokens + row.num_new_tokens,
+                                                      len(state.prompt_token_ids) - 1)
             if first >= last:
                 continue
-            rows = hidden[query_start[i] + first - chunk.start: query_start[i] + last - chunk.start]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            targets = torch.tensor(request.prompt_token_ids[first + 1:last + 1], device=self.device)
-            found[request.request_id] = gather_logprobs(logprobs, targets, [request.params.prompt_logprobs] * len(rows))
+            hidden_rows = hidden[query_start[i]:query_start[i] + last - first]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
+            targets = to_device(np.array(state.prompt_token_ids[first + 1:last + 1], dtype=np.int64), self.device)
+            found[i] = (first + 1, select_logprobs(logprobs, targets, state.params.prompt_logprobs).to_host())
         return found
+
+
+@dataclass
+class PendingResult:
+    """A launched step's answer on its way to the host (flare.engine.step.PendingStep)."""
+
+    plan: StepPlan
+    states: list[SlotRequest]               # the slot requests the rows ran for, as they were at launch
+    sampling: list[int]                     # rows that sampled
+    token_ids: torch.Tensor | None = None   # [len(sampling)], host memory once `event` has passed
+    logprobs: tuple[list[int], SelectedLogprobs] | None = None      # (positions in `sampling`, selected)
+    prompt: dict | None = None              # row -> (first prompt token scored, selected)
+    copied: torch.cuda.Event | None = None  # passed when the copies to the host are done (CUDA)
+
+    def result(self) -> StepResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = self.plan.rows
+        token_ids: list[tuple[int, ...]] = [()] * len(rows)
+        logprobs: list[tuple] = [()] * len(rows)
+        if self.token_ids is not None:
+            for i, token_id in zip(self.sampling, self.token_ids.tolist()):
+                token_ids[i] = (token_id,)
+                self.states[i].output_token_ids.append(token_id)
+        if self.logprobs is not None:
+            asked, selected = self.logprobs
+            entries = selected.entries([self.states[self.sampling[j]].params.logprobs for j in asked])
+            for j, entry in zip(asked, entries):
+                logprobs[self.sampling[j]] = (entry,)
+        prompt: list[PromptLogprobs | None] = [None] * len(rows)
+        for i, (first_token, selected) in (self.prompt or {}).items():
+            prompt[i] = PromptLogprobs(first_token, tuple(selected.entries([self.states[i].params.prompt_logprobs]
+                                                                           * selected.token_ids.shape[0])))
+        return StepResult(tuple(token_ids), tuple(logprobs) if self.logprobs else (),
+                          tuple(prompt) if self.prompt else ())

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flare.engine.logprobs import gather_logprobs
 from flare.engine.outputs import TokenLogprob
 from flare.engine.request import Request
 
@@ -53,8 +54,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties_and_bias(logits, requests, self.penalty_counts)
-        token_ids = self._choose(logits, requests)
+        token_ids = self.sample(logits, requests)
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
         if raw_logprobs is not None:
             rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -63,6 +63,10 @@ class Sampler:
             for row, entry in zip(rows, found):
                 logprobs[row] = entry
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The chosen ids [N] on the logits' device; no logprobs, nothing read back to the host."""
+        return self._choose(apply_penalties_and_bias(logits, requests, self.penalty_counts), requests)
 
     def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)
@@ -223,19 +227,3 @@ def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     beyond[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(beyond, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprob]:
-    """For row i: the logprob and rank of token_ids[i], plus the num_top[i] best alternatives."""
-    chosen = logprobs.gather(-1, token_ids[:, None])
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    most = max(num_top, default=0)
-    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (None, None)
-    chosen_list, rank_list = chosen[:, 0].tolist(), ranks.tolist()
-    top_values_list = top_values.tolist() if most else None
-    top_ids_list = top_ids.tolist() if most else None
-    entries = []
-    for i, token_id in enumerate(token_ids.tolist()):
-        top = tuple(zip(top_ids_list[i][:num_top[i]], top_values_list[i][:num_top[i]])) if most else ()
-        entries.append(TokenLogprob(token_id, chosen_list[i], rank_list[i], top))
-    return entries

@@ -16,11 +16,17 @@ retirement value, the newest among equals. Its pages are freed (cached ones stay
 waits at the head of the queue to recompute prompt and output tokens (nothing it generated is lost).
 A request with nobody newer to preempt preempts itself, so the oldest running request always progresses.
 
+A decoding request that carries draft tokens (speculation) computes 1 + k tokens, within the budget.
+A running request holds a batch slot (lowest free first) from admission until it finishes, retires or
+is preempted. `schedule()` also says what the runner needs to know (`flare.engine.step.StepPlan`):
+requests new to their slot, pages added since the last plan, slots freed.
+
 The scheduler never touches pages: it asks the allocator yes/no questions and hands it request ids.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,13 +34,14 @@ from dataclasses import dataclass, field
 
 from flare.engine.config import EngineConfig
 from flare.engine.kv_cache import PageAllocator
-from flare.engine.outputs import TokenLogprob
 from flare.engine.request import Request, RequestStatus
+from flare.engine.step import NewRequest, ScheduledRow, StepPlan
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens `start .. start + num_new_tokens` of `request`, computed this step.
+    """Tokens `start .. start + num_new_tokens` of `request`, computed this step; the last
+    `len(draft_token_ids)` of them are drafts.
 
     `completes` says the chunk reaches the request's last token, so the step samples a new one.
     """
@@ -43,21 +50,21 @@ class ScheduledChunk:
     start: int
     num_new_tokens: int
     completes: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     @staticmethod
-    def of(request: Request, num_new_tokens: int) -> ScheduledChunk:
+    def of(request: Request, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens)
+        fed = num_new_tokens - len(draft_token_ids)
+        return ScheduledChunk(request, start, num_new_tokens, start + fed == request.num_tokens, draft_token_ids)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]
-    preempted_ids: tuple[str, ...] = field(default=())
+    """One step as planned: the plan for the runner, and the request behind each of its rows."""
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(chunk.num_new_tokens for chunk in self.chunks)
+    plan: StepPlan
+    requests: tuple[Request, ...]
 
 
 @dataclass
@@ -93,8 +100,13 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.retired: dict[str, Request] = {}       # sampled to the end, their last ids on the way
         self.num_prefix_hit_tokens = 0      # counter: prompt tokens served from the prefix cache
         self.num_prefix_miss_tokens = 0     # counter: prompt tokens that had to be computed
+        self.num_preemptions = 0            # counter
+        self._free_slots = list(range(config.max_concurrency))     # a heap: the lowest free slot first
+        self._finished_ids: list[str] = []      # the runner forgets these in the next plan
+        self._preempted_ids: list[str] = []
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -102,7 +114,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.retired)
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -111,7 +123,7 @@ class Scheduler:
         step = _StepPlan(self.config.max_num_batched_tokens)
         for request in [r for r in self.running if r.num_uncomputed_tokens == 1]:
             if request.status is RequestStatus.RUNNING and step.budget > 0:
-                self._schedule_running(request, 1, False, step, now)
+                self._schedule_decode(request, step, now)
         step.prefill_left = self.policy.prefill_cap(self.config.max_num_batched_tokens, self.config.prefill_chunk,
                                                     anyone_decoding=bool(step.chunks))
         prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
@@ -128,7 +140,7 @@ class Scheduler:
             if not self._admit(self.waiting[0], step, now):
                 break
             self.waiting.popleft()
-        return SchedulerOutput(tuple(chunk for chunk, _ in step.chunks.values()), tuple(step.preempted))
+        return self._output([chunk for chunk, _ in step.chunks.values()])
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and give back its pages (its cached pages stay resident)."""
@@ -136,8 +148,23 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.RETIRED:
+            del self.retired[request.request_id]             # the runner heard of it when it retired
+        if request.seated or (request.status is RequestStatus.WAITING and request.num_preemptions):
+            self._finished_ids.append(request.request_id)    # the runner may hold state for it
+        self._release_slot(request)
         request.status = RequestStatus.FINISHED
         self.allocator.free(request.request_id)
+
+    def retire(self, request: Request) -> None:
+        """A running request whose every remaining token is sampled gives back its slot at once; it
+        finishes when its last ids arrive (`finish`). Its last token is never computed. The caller frees
+        its pages once their content is recorded for the prefix cache (an id may still be on its way)."""
+        self.running.remove(request)
+        self._finished_ids.append(request.request_id)
+        self._release_slot(request)
+        request.status = RequestStatus.RETIRED
+        self.retired[request.request_id] = request
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -154,12 +181,19 @@ class Scheduler:
         allowance = step.prefill_left + int(self._retirement_value(request, now))
         return min(request.num_uncomputed_tokens, self.config.prefill_chunk, step.budget, allowance)
 
-    def _schedule_running(self, request: Request, num_new: int, prefill: bool, step: _StepPlan, now: float) -> None:
+    def _schedule_decode(self, request: Request, step: _StepPlan, now: float) -> None:
+        """The request's next token, and the draft tokens it carries as far as budget and length allow."""
+        room = min(step.budget, request.tokens_left(self.config.max_model_len)) - 1
+        drafts = request.draft_token_ids[:max(0, room)]
+        self._schedule_running(request, 1 + len(drafts), False, step, now, drafts)
+
+    def _schedule_running(self, request: Request, num_new: int, prefill: bool, step: _StepPlan, now: float,
+                          drafts: tuple[int, ...] = ()) -> None:
         target = request.num_computed_tokens + num_new
         if not self._make_room(request, target, step, now):
             return                                          # it preempted itself
         self.allocator.allocate(request.request_id, target)
-        step.add(ScheduledChunk.of(request, num_new), prefill)
+        step.add(ScheduledChunk.of(request, num_new, drafts), prefill)
 
     def _make_room(self, request: Request, num_tokens: int, step: _StepPlan, now: float) -> bool:
         """Preempt newer running requests until `request` can hold `num_tokens`; False if it went itself."""
@@ -180,12 +214,21 @@ class Scheduler:
     def _preempt(self, request: Request, step: _StepPlan) -> None:
         step.drop(request.request_id)
         step.preempted.append(request.request_id)
+        self.num_preemptions += 1
         self.running.remove(request)
+        if request.seated:
+            self._preempted_ids.append(request.request_id)
+        self._release_slot(request)
         self.allocator.release_pages(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def _release_slot(self, request: Request) -> None:
+        if request.slot is not None:
+            heapq.heappush(self._free_slots, request.slot)
+        request.slot, request.seated, request.num_pages_sent = None, False, 0
 
     def _admit(self, request: Request, step: _StepPlan, now: float) -> bool:
         """Try to start (or resume) the head of the queue; False if its next chunk does not fit now."""
@@ -201,6 +244,7 @@ class Scheduler:
             return False
         self.allocator.allocate(request.request_id, cached + num_new)
         request.status = RequestStatus.RUNNING
+        request.slot = heapq.heappop(self._free_slots)
         self.running.append(request)
         step.add(ScheduledChunk.of(request, num_new), prefill=True)
         if request.num_preemptions == 0:
@@ -210,14 +254,23 @@ class Scheduler:
         return True
 
 
-@dataclass(frozen=True)
-class RunnerOutput:
-    """The model runner's answer to a SchedulerOutput, keyed by request id.
+    def _output(self, chunks: list[ScheduledChunk]) -> SchedulerOutput:
+        """The plan of these chunks: new seats, the pages each request gained, the slots freed meanwhile.
 
-    `sampled` and `logprobs` hold one entry per completing chunk; `prompt_logprobs` the logprobs of
-    the prompt tokens this step's chunk predicted (for requests that asked for them).
-    """
-
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+        With no chunks the freed slots wait for the next plan that carries rows."""
+        if not chunks:
+            return SchedulerOutput(StepPlan(()), ())
+        new_requests, rows = [], []
+        for chunk in chunks:
+            request = chunk.request
+            if not request.seated:
+                new_requests.append(NewRequest(request.request_id, request.slot, tuple(request.prompt_token_ids),
+                                               tuple(request.output_token_ids), request.params))
+                request.seated = True
+            table = self.allocator.page_table(request.request_id)
+            rows.append(ScheduledRow(request.request_id, request.slot, chunk.start, chunk.num_new_tokens,
+                                     tuple(table[request.num_pages_sent:]), chunk.completes, chunk.draft_token_ids))
+            request.num_pages_sent = len(table)
+        plan = StepPlan(tuple(rows), tuple(new_requests), tuple(self._finished_ids), tuple(self._preempted_ids))
+        self._finished_ids, self._preempted_ids = [], []
+        return SchedulerOutput(plan, tuple(chunk.request for chunk in chunks))

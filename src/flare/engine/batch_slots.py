@@ -1,0 +1,99 @@
+"""The runner's batch slots: what it keeps per request from step to step (hot path, keep it small).
+
+Host side, one `SlotRequest` per occupied slot: the ids the request crossed with, its sampling params,
+its outputs as they arrive (the host sampler's penalties count them) and a seeded generator. Device
+side, for every slot plus one padding row: the page table, and the id sampled last (the input of the
+slot's next decode, read there whether or not it has reached the host). Tables change only by the
+pages a plan adds (`flare.engine.step`: deltas, not snapshots).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flare.engine.sampling_params import SamplingParams
+from flare.engine.step import NewRequest, StepPlan
+
+
+class SlotRequest:
+    """One request in its slot, as the runner sees it (the host sampler reads these attributes)."""
+
+    __slots__ = ("request_id", "params", "prompt_token_ids", "output_token_ids", "known_token_ids",
+                 "generator", "__weakref__")
+
+    def __init__(self, new: NewRequest, generator=None) -> None:
+        self.request_id = new.request_id
+        self.params: SamplingParams = new.params
+        self.prompt_token_ids = list(new.prompt_token_ids)
+        self.output_token_ids = list(new.output_token_ids)          # grows as sampled ids reach the host
+        self.known_token_ids = np.array(new.prompt_token_ids + new.output_token_ids, dtype=np.int64)
+        self.generator = generator
+
+
+class BatchSlots:
+    """`max_slots` slots; row `padding_row` of the device tables is the padding rows' (the dummy page)."""
+
+    def __init__(self, max_slots: int, max_pages: int, dummy_page: int, device: torch.device) -> None:
+        self.max_pages = max_pages
+        self.padding_row = max_slots
+        self.page_tables = torch.full((max_slots + 1, max_pages), dummy_page, dtype=torch.int32, device=device)
+        self.last_sampled = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot free (the device tables keep stale rows: a slot's rows are written before they are read)."""
+        self.requests: list[SlotRequest | None] = [None] * self.padding_row
+        self.num_pages = [0] * self.padding_row
+        self._slot_of: dict[str, int] = {}
+        self._saved_generators: dict[str, torch.Generator] = {}     # seeded requests preempted, by id
+
+    def apply(self, plan: StepPlan) -> None:
+        """The plan's deltas: free the preempted and finished, seat the new, append the new pages."""
+        for request_id in plan.preempted_request_ids:
+            state = self._free(request_id)
+            if state is not None and state.generator is not None:
+                self._saved_generators[request_id] = state.generator    # its draws continue where they were
+        for request_id in plan.finished_request_ids:
+            self._free(request_id)
+            self._saved_generators.pop(request_id, None)
+        for new in plan.new_requests:
+            if self.requests[new.slot] is not None:
+                raise RuntimeError(f"slot {new.slot} is taken by {self.requests[new.slot].request_id!r}; "
+                                   f"the plan seats {new.request_id!r} there without freeing it")
+            self.requests[new.slot] = SlotRequest(new, self._saved_generators.pop(new.request_id, None))
+            self.num_pages[new.slot] = 0
+            self._slot_of[new.request_id] = new.slot
+        self._add_pages(plan)
+
+    def _free(self, request_id: str) -> SlotRequest | None:
+        slot = self._slot_of.pop(request_id, None)
+        if slot is None:
+            return None
+        state, self.requests[slot] = self.requests[slot], None
+        return state
+
+    def _add_pages(self, plan: StepPlan) -> None:
+        """One scatter into the device tables for every page the plan adds."""
+        rows, columns, pages = [], [], []
+        for row in plan.rows:
+            if not row.new_page_ids:
+                continue
+            first = self.num_pages[row.slot]
+            last = first + len(row.new_page_ids)
+            if last > self.max_pages:
+                raise RuntimeError(f"request {row.request_id!r} would hold {last} pages; a slot holds {self.max_pages}")
+            rows += [row.slot] * len(row.new_page_ids)
+            columns += range(first, last)
+            pages += row.new_page_ids
+            self.num_pages[row.slot] = last
+        if pages:
+            index = to_device(np.array([rows, columns, pages], dtype=np.int64), self.page_tables.device)
+            self.page_tables[index[0], index[1]] = index[2].to(torch.int32)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without waiting for the device: through page-locked memory from torch's
+    caching host allocator, which keeps the block until the copy has run, so no later step overwrites it."""
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)

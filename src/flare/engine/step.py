@@ -1,0 +1,128 @@
+"""The scheduler -> runner contract: what one engine step computes, and what the runner answers.
+
+Hot path, kept small: frozen plain data (ids, counts, tuples, SamplingParams, an int32 numpy mask), so a
+plan pickles to another process unchanged and every tensor-parallel rank can run the same plan.
+
+The runner never sees the page allocator or the core's Request objects. A request crosses once, when it
+takes a batch slot (`NewRequest`; again after a preemption, with the output it has so far); afterwards
+only deltas cross: new pages, the tokens to compute, the slots to free. What each side may assume
+(docs/architecture.md, "Scheduler -> runner"):
+
+* Plans reach the runner in order, each once; the runner applies a plan in this order: free the slots
+  of `finished_request_ids` and `preempted_request_ids`, seat `new_requests`, then for each row append
+  `new_page_ids` to its slot's page table and compute its tokens. A slot is freed before it is reused.
+* A row computes positions `num_computed_tokens .. num_computed_tokens + num_new_tokens` of its request,
+  and its slot's pages cover them. The token at a position is one the request crossed with, or the latest
+  token the runner sampled for the slot (it may still be on the device), or, for the last
+  `len(draft_token_ids)` positions, a draft.
+* A sampling row's answer holds 1 .. 1 + k ids: the drafts accepted in order, then one sampled id.
+* The runner may be asked to launch step N+1 before step N's result is read; results are read in launch
+  order. A row may belong to a request that finished meanwhile: the core discards its answer.
+* `samples_ahead(params)` False means the runner needs a request's step-N ids on the host before it
+  samples that request again (the core then reads step N's result before planning step N+1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from flare.engine.outputs import TokenLogprob
+from flare.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request taking a batch slot: what the runner keeps for it until the slot is freed."""
+
+    request_id: str
+    slot: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]       # non-empty when it resumes after a preemption
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One request's work in a step, in its slot."""
+
+    request_id: str
+    slot: int
+    num_computed_tokens: int                # tokens whose K/V is cached before this step: the first position
+    num_new_tokens: int                     # tokens computed this step, draft tokens included
+    new_page_ids: tuple[int, ...] = ()      # appended to the slot's page table before the step
+    samples: bool = False                   # the row reaches the request's end: sample after it
+    draft_token_ids: tuple[int, ...] = ()   # the last len() tokens of the row, to verify (speculation)
+    # Grammar bitmask for the sampled positions: int32 [1 + len(draft_token_ids), ceil(V / 32)], bit
+    # t % 32 of word t // 32 set = token t allowed (xgrammar's layout). None: every token allowed.
+    token_mask: np.ndarray | None = field(default=None, compare=False)
+
+    @property
+    def num_fed_tokens(self) -> int:
+        """Tokens of the row that are not drafts."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: tuple[ScheduledRow, ...]
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()      # finished or aborted since the last plan: forget them
+    preempted_request_ids: tuple[str, ...] = ()     # preempted since the last plan: they come back as new
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(row.num_new_tokens for row in self.rows)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first_token .. first_token + len(entries)` (each scored by the row before)."""
+
+    first_token: int
+    entries: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The runner's answer, row by row in the plan's order."""
+
+    token_ids: tuple[tuple[int, ...], ...]                      # 1 .. 1 + k ids per sampling row, () otherwise
+    logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()         # one per id, for rows that asked; () otherwise
+    prompt_logprobs: tuple[PromptLogprobs | None, ...] = ()     # for rows whose request asked
+
+    def row_logprobs(self, index: int) -> tuple[TokenLogprob, ...]:
+        return self.logprobs[index] if self.logprobs else ()
+
+    def row_prompt_logprobs(self, index: int) -> PromptLogprobs | None:
+        return self.prompt_logprobs[index] if self.prompt_logprobs else None
+
+
+class PendingStep(Protocol):
+    def result(self) -> StepResult:
+        """Wait until the step's ids are on the host; called once, in launch order."""
+
+
+class StepRunner(Protocol):
+    vocab_size: int
+
+    def reset(self) -> None:
+        """Free every slot: a new engine core plans from empty slots (the old one's plans end here)."""
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Apply the plan's deltas and start the step; returns without waiting for its ids."""
+
+    def samples_ahead(self, params: SamplingParams) -> bool:
+        """Whether a request with these params may be sampled again before its last ids reach the host."""
+
+
+@dataclass(frozen=True)
+class DoneStep:
+    """A PendingStep whose answer is known already (runners that compute on the host)."""
+
+    answer: StepResult
+
+    def result(self) -> StepResult:
+        return self.answer
