@@ -12,7 +12,7 @@ from tiny_checkpoints import write_tiny_checkpoint
 
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore
-from flare.engine.llm_engine import LLMEngine
+from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.sampling_params import SamplingParams
 
 
