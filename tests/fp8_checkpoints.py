@@ -71,6 +71,12 @@ def write_compressed_tensors_fp8(source: Path, directory: Path, strategy: str = 
     return _write(source, directory, config, quantize, skip=lambda name: False)
 
 
+def write_bf16(source: Path, directory: Path) -> Path:
+    """`source` with every tensor in BF16: the checkpoint an FP8 one of the same weights was made from."""
+    config = json.loads((Path(source) / "config.json").read_text()) | {"torch_dtype": "bfloat16"}
+    return _save(source, directory, config, _tensors(source, lambda name, tensor: {name: tensor}))
+
+
 def write_dequantized(fp8_checkpoint: Path, directory: Path) -> Path:
     """The FP8 checkpoint's weights multiplied back to float32, as a dense checkpoint."""
     import torch
@@ -131,23 +137,28 @@ def _args(strategy: str, dynamic: bool) -> dict:
 
 
 def _write(source, directory, quantization_config, quantize, skip) -> Path:
-    """Every tensor of `source`: decoder projections through `quantize` (unless `skip`), the rest in BF16."""
-    import torch
-    from safetensors import safe_open
-
+    """Every tensor of `source` in BF16, then decoder projections through `quantize` (unless `skip`)."""
     config = json.loads((Path(source) / "config.json").read_text())
     config["quantization_config"] = quantization_config
     config["torch_dtype"] = "bfloat16"
+
+    def convert(name, tensor):
+        return quantize(name, tensor.float()) if PROJECTION.match(name) and not skip(name) else {name: tensor}
+
+    return _save(source, directory, config, _tensors(source, convert))
+
+
+def _tensors(source, convert) -> dict:
+    """`convert(name, bf16 tensor)` of every tensor in `source`'s safetensors files, merged."""
+    import torch
+    from safetensors import safe_open
+
     out = {}
     for file in sorted(Path(source).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                tensor = handle.get_tensor(name)
-                if PROJECTION.match(name) and not skip(name):
-                    out.update(quantize(name, tensor.to(torch.bfloat16).float()))
-                else:
-                    out[name] = tensor.to(torch.bfloat16)
-    return _save(source, directory, config, out)
+                out.update(convert(name, handle.get_tensor(name).to(torch.bfloat16)))
+    return out
 
 
 def _save(source, directory, config, tensors) -> Path:

@@ -2,6 +2,12 @@
 
 The KV cache is one tensor per layer, `[2, num_pages, page_size, num_kv_heads, head_dim]` (keys, then
 values). A batch is flattened: the new tokens of all sequences lie one after another, `T` in total.
+
+The FP8 KV cache (`ModelConfig.kv_cache_dtype` "fp8") is one uint8 tensor per layer,
+`[2, num_pages, page_size, num_kv_heads * (head_dim + 4)]`: each cached token's row holds its heads'
+e4m3 values, then one float32 scale per head (the vector's absolute maximum / 448, chosen when the token
+is written). `fp8_kv_views` gives the values and the scales as tensors of their own dtypes. Rows stay
+16-byte aligned for head_dim a multiple of 16.
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from flare.models.quantization import E4M3_MAX, KV_SCALE_BYTES
 
 
 @dataclass
@@ -104,26 +112,71 @@ class TorchReferenceBackend(AttentionBackend):
     """Plain PyTorch, one sequence at a time: slow, obviously right, the yardstick for kernels."""
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, key, value, meta.slot_mapping)
+        cache = kv_cache if kv_cache.dtype != torch.uint8 else fp8_kv_views(kv_cache, key.shape[1], key.shape[2])
+        write_kv(cache, key, value, meta.slot_mapping)
         output = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
         for b, seq_len in enumerate(meta.seq_lens.tolist()):
             start, end = starts[b], starts[b + 1]
-            keys, values = gather_context(kv_cache, meta.block_tables[b], seq_len)
+            keys, values = gather_context(cache, meta.block_tables[b], seq_len)
             output[start:end] = causal_attention(query[start:end], keys, values, scale)
         return output
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each new token's K/V at its slot (`page * page_size + offset`)."""
+@dataclass(frozen=True)
+class Fp8KV:
+    """Views of one layer's FP8 KV cache: e4m3 values `[num_pages, page_size, Hkv, D]` and float32 scales
+    `[num_pages, page_size, Hkv]`, for keys and for values."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def fp8_kv_views(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> Fp8KV:
+    """The values and scales inside a uint8 FP8 cache `[2, num_pages, page_size, Hkv * (D + 4)]`."""
+    width = num_kv_heads * head_dim
+    if kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] != num_kv_heads * (head_dim + KV_SCALE_BYTES):
+        raise ValueError(f"an FP8 KV cache for {num_kv_heads} heads of {head_dim} is uint8 [..., "
+                         f"{num_kv_heads * (head_dim + KV_SCALE_BYTES)}]; got {kv_cache.dtype} {list(kv_cache.shape)}")
+    values = kv_cache[..., :width].view(torch.float8_e4m3fn).unflatten(-1, (num_kv_heads, head_dim))
+    scales = kv_cache[..., width:].view(torch.float32)
+    return Fp8KV(values[0], values[1], scales[0], scales[1])
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [..., D]` as e4m3 with one float32 scale per vector (its absolute maximum / 448; 1 for zeros)."""
+    amax = x.float().abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def write_kv(kv_cache: torch.Tensor | Fp8KV, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store each new token's K/V at its slot (`page * page_size + offset`); quantized for an FP8 cache."""
+    if isinstance(kv_cache, Fp8KV):
+        for values, scales, new in ((kv_cache.k, kv_cache.k_scale, key), (kv_cache.v, kv_cache.v_scale, value)):
+            quantized, scale = quantize_kv(new)
+            values.flatten(0, 1)[slot_mapping] = quantized
+            scales.flatten(0, 1)[slot_mapping] = scale
+        return
     _, num_pages, page_size, heads, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_pages * page_size, heads, head_dim)
     slots[0, slot_mapping] = key.to(kv_cache.dtype)
     slots[1, slot_mapping] = value.to(kv_cache.dtype)
 
 
-def gather_context(kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's `seq_len` keys and values `[seq_len, Hkv, D]`, in position order."""
+def gather_context(kv_cache: torch.Tensor | Fp8KV, pages: torch.Tensor,
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's `seq_len` keys and values `[seq_len, Hkv, D]`, in position order (float32 from an
+    FP8 cache: values times their scales)."""
+    if isinstance(kv_cache, Fp8KV):
+        page_size = kv_cache.k.shape[1]
+        used = pages[: -(-seq_len // page_size)].long()
+        return tuple((values[used].flatten(0, 1)[:seq_len].float()
+                      * scales[used].flatten(0, 1)[:seq_len, :, None])
+                     for values, scales in ((kv_cache.k, kv_cache.k_scale), (kv_cache.v, kv_cache.v_scale)))
     page_size = kv_cache.shape[2]
     used = pages[: -(-seq_len // page_size)].long()
     context = kv_cache[:, used].flatten(1, 2)[:, :seq_len]
@@ -144,6 +197,11 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def allocate_kv_caches(cfg, num_pages: int, page_size: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """One zeroed cache per layer, `[2, num_pages, page_size, num_kv_heads, head_dim]`."""
-    shape = (2, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    """One zeroed cache per layer, `[2, num_pages, page_size, num_kv_heads, head_dim]` in `dtype`; for
+    `cfg.kv_cache_dtype` "fp8" the uint8 FP8 cache described above (zero bytes: values 0, scales 0)."""
+    if cfg.kv_cache_dtype == "fp8":
+        shape = (2, num_pages, page_size, cfg.num_key_value_heads * (cfg.head_dim + KV_SCALE_BYTES))
+        dtype = torch.uint8
+    else:
+        shape = (2, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]

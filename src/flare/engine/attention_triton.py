@@ -14,34 +14,40 @@ from __future__ import annotations
 
 import torch
 
-from flare.engine.attention import AttentionBackend, AttentionMetadata
+from flare.engine.attention import AttentionBackend, AttentionMetadata, fp8_kv_views
 
 
 def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                         slot_mapping: torch.Tensor, scale: float, max_query_len: int,
                         decode_splits: int, num_decodes: int = 0) -> torch.Tensor:
-    """query [T, Hq, D], key/value [T, Hkv, D], kv_cache [2, pages, page_size, Hkv, D] -> [T, Hq, D].
+    """query [T, Hq, D], key/value [T, Hkv, D], kv_cache [2, pages, page_size, Hkv, D] (or the uint8 FP8
+    cache of flare.engine.attention) -> [T, Hq, D].
 
     `num_decodes`: the first sequences bring one new token each (0: unknown); `decode_splits` is the
     split-K count of decode attention (over the whole batch, or over those first sequences)."""
     from flare.kernels.decode_attention import decode_attention
-    from flare.kernels.prefill_attention import prefill_attention, write_kv
+    from flare.kernels.prefill_attention import prefill_attention, write_kv, write_kv_fp8
 
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), k_cache, v_cache, slot_mapping)
+    if kv_cache.dtype == torch.uint8:
+        cache = fp8_kv_views(kv_cache, key.shape[1], key.shape[2])
+        k_cache, v_cache, scales = cache.k, cache.v, {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
+        write_kv_fp8(key, value, k_cache, v_cache, cache.k_scale, cache.v_scale, slot_mapping)
+    else:
+        k_cache, v_cache, scales = kv_cache[0], kv_cache[1], {}
+        write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), k_cache, v_cache, slot_mapping)
     if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
-        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits)
+        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, **scales)
     if num_decodes == 0:
         return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                 max_query_len=max_query_len)
+                                 max_query_len=max_query_len, **scales)
     out = torch.empty_like(query)
     decode_attention(query[:num_decodes], k_cache, v_cache, block_tables[:num_decodes], seq_lens[:num_decodes],
-                     scale, decode_splits, out=out[:num_decodes])
+                     scale, decode_splits, out=out[:num_decodes], **scales)
     # Not slices of the metadata: offset pointers would change the kernel's alignment specialization
     # with every count of decodes, each one a compile in the middle of serving.
     prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                      max_query_len=max_query_len, out=out, first_seq=num_decodes)
+                      max_query_len=max_query_len, out=out, first_seq=num_decodes, **scales)
     return out
 
 
@@ -74,7 +80,7 @@ class TritonBackend(AttentionBackend):
 
         splits = self.decode_splits
         if splits is None:
-            splits = choose_num_splits(meta.num_decodes or meta.seq_lens.shape[0], kv_cache.shape[3],
+            splits = choose_num_splits(meta.num_decodes or meta.seq_lens.shape[0], key.shape[1],
                                        meta.max_seq_len)
         attend = paged_attention if torch.compiler.is_compiling() else run_paged_attention
         return attend(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,

@@ -11,6 +11,9 @@ Shapes (T = batch, one token each):
     block_tables [B, max_pages] int32          page ids of each sequence, in order
     seq_lens     [B] int32                     context length including the new token (0: padding, gives 0)
     out          [B, Hq, D]                    same dtype as q
+    k_scale      [num_pages, page_size, Hkv] float32, with an FP8 cache (k_cache/v_cache float8_e4m3fn):
+                 each cached vector's scale (flare.engine.attention's FP8 layout); v_scale likewise.
+                 Keys are read as e4m3 times scale into the scores, values dequantized per tile.
 """
 
 from __future__ import annotations
@@ -42,17 +45,18 @@ def online_softmax_step(acc, m, l, scores, v):
 # steps outside the graphs (mixed steps): not specialized, so one compiled variant serves them all.
 @triton.jit(do_not_specialize=["stride_bt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale_log2,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
+    stride_sp, stride_ss,
     stride_bt,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     num_splits,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,7 +90,14 @@ def _decode_split_kernel(
                     + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + pages[:, None] * stride_vp + offsets[:, None] * stride_vs
                     + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2           # [BLOCK_H, BLOCK_N], log2 units
+        if FP8_KV:          # keys' scales go into the scores, values are dequantized in registers
+            scale_offsets = pages * stride_sp + offsets * stride_ss + kv_head
+            k_scale = tl.load(ks_ptr + scale_offsets, mask=token_mask, other=0.0)
+            v_scale = tl.load(vs_ptr + scale_offsets, mask=token_mask, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scale * qk_scale_log2)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * qk_scale_log2       # [BLOCK_H, BLOCK_N], log2 units
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         acc, m, l = online_softmax_step(acc, m, l, scores, v)
 
@@ -136,14 +147,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                     num_splits: int, out=None, *, block_n: int | None = None, num_warps: int = 4):
+                     num_splits: int, out=None, *, k_scale=None, v_scale=None, block_n: int | None = None,
+                     num_warps: int = 4):
     """Attention of one query token per sequence over its paged context; returns out [B, Hq, D].
 
     num_splits is fixed for a captured graph (choose_num_splits with the capture's longest context);
-    block_n (context tokens per inner step) and num_warps are tuning knobs for benchmarks."""
+    k_scale/v_scale come with an FP8 cache; block_n (context tokens per inner step) and num_warps are
+    tuning knobs for benchmarks."""
     import torch
 
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -161,18 +175,20 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
     on_cpu = q.device.type == "cpu"           # interpreter: short steps, so small tests cross several
     block_n = block_n or (16 if on_cpu else 64)
     launch = {} if on_cpu else {"num_warps": num_warps}
+    fp8 = k_scale is not None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens, mid_o, mid_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         num_splits,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, **launch,
+        BLOCK_N=block_n, FP8_KV=fp8, **launch,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
@@ -199,8 +215,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
         raise ValueError(f"head_dim differs: q {head_dim}, cache {k_cache.shape[3]}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head dimension")
     if block_tables.dim() != 2 or block_tables.shape[0] < batch or block_tables.dtype != torch.int32:
@@ -216,7 +230,36 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
             raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
 
 
-def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float):
+def check_kv_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """An FP8 cache comes with float32 scales [pages, page_size, Hkv]; any other cache has q's dtype."""
+    import torch
+
+    if k_scale is None and v_scale is None:
+        if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+            raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+        return
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"scales come with an FP8 cache; got k {k_cache.dtype}, v {v_cache.dtype}")
+    for name, tensor in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tensor is None or tensor.dtype != torch.float32 or tuple(tensor.shape) != tuple(k_cache.shape[:3]) \
+                or tensor.stride(-1) != 1 or tensor.device != q.device:
+            raise ValueError(f"{name} must be float32 {list(k_cache.shape[:3])} with a contiguous last dim on "
+                             f"{q.device}; got {None if tensor is None else (tensor.dtype, list(tensor.shape))}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must share their strides")
+
+
+def gathered_kv(cache, scales, pages, length: int):
+    """A sequence's cached vectors [length, Hkv, D] in float32 (times their scales for an FP8 cache)."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    values = cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
+    if scales is None:
+        return values
+    return values * scales[pages].reshape(-1, num_kv_heads)[:length, :, None]
+
+
+def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float, k_scale=None,
+                               v_scale=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
     import torch
 
@@ -226,8 +269,8 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scal
     for seq in range(batch):
         length = int(seq_lens[seq])
         pages = block_tables[seq, : (length + page_size - 1) // page_size].long()
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        k = gathered_kv(k_cache, k_scale, pages, length)
+        v = gathered_kv(v_cache, v_scale, pages, length)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[seq].float(), k) * scale

@@ -12,6 +12,8 @@ Shapes (T = new tokens in the batch, B = sequences):
     seq_lens        [B] int32                       context length after this step
     block_tables    [B, max_pages] int32
     out             [T, Hq, D]                      same dtype as q
+    k_scale         [num_pages, page_size, Hkv] float32, with an FP8 cache (float8_e4m3fn k_cache/v_cache,
+                    see flare.engine.attention); v_scale likewise. `write_kv_fp8` quantizes new K/V into it.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flare.kernels.decode_attention import online_softmax_step
+from flare.kernels.decode_attention import check_kv_scales, gathered_kv, online_softmax_step
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head, start, end, kv_limit,
-                 qk_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head, start, end,
+                 kv_limit, qk_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                 stride_sp, stride_ss,
                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DIM_PADDED: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DIM_PADDED: tl.constexpr, FP8_KV: tl.constexpr):
     """Online softmax of one query block over keys [start, end); MASKED applies the causal mask and the
     end of the context (kv_limit), which blocks wholly before the queries' own positions do not need."""
     dims = tl.arange(0, BLOCK_D)
@@ -55,7 +58,18 @@ def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head
         else:                                                      # the bulk: no masks, wide loads
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        if FP8_KV:          # keys' scales go into the scores, values are dequantized in registers
+            scale_offsets = pages * stride_sp + offsets * stride_ss + kv_head
+            if MASKED:
+                k_scale = tl.load(ks_ptr + scale_offsets, mask=token_mask, other=0.0)
+                v_scale = tl.load(vs_ptr + scale_offsets, mask=token_mask, other=0.0)
+            else:
+                k_scale = tl.load(ks_ptr + scale_offsets)
+                v_scale = tl.load(vs_ptr + scale_offsets)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scale * qk_scale_log2)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         if MASKED:
             visible = (tokens[None, :] <= positions[:, None]) & token_mask[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -67,14 +81,15 @@ def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head
 # compile its own variant (1 and multiples of 16 get one each) in the middle of serving.
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale_log2, first_seq,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
+    stride_sp, stride_ss,
     stride_bt,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
@@ -102,14 +117,14 @@ def _prefill_kernel(
         unmasked_end = (prefix_len + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
         kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_M)
         block_table_ptr = block_tables_ptr + seq * stride_bt
-        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head, 0,
-                                 unmasked_end, kv_end, qk_scale_log2, stride_kp, stride_ks, stride_kh,
-                                 stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-                                 HEAD_DIM != BLOCK_D)
-        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, block_table_ptr, kv_head,
-                                 unmasked_end, kv_end, kv_end, qk_scale_log2, stride_kp, stride_ks,
-                                 stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                                 HEAD_DIM != BLOCK_D)
+        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr,
+                                 kv_head, 0, unmasked_end, kv_end, qk_scale_log2, stride_kp, stride_ks, stride_kh,
+                                 stride_vp, stride_vs, stride_vh, stride_sp, stride_ss, PAGE_SIZE, HEAD_DIM,
+                                 BLOCK_D, BLOCK_N, False, HEAD_DIM != BLOCK_D, FP8_KV)
+        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr,
+                                 kv_head, unmasked_end, kv_end, kv_end, qk_scale_log2, stride_kp, stride_ks,
+                                 stride_kh, stride_vp, stride_vs, stride_vh, stride_sp, stride_ss, PAGE_SIZE,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, HEAD_DIM != BLOCK_D, FP8_KV)
 
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh
@@ -140,17 +155,57 @@ def _write_kv_kernel(
                  + dims[None, :], v, mask=mask)
 
 
+@triton.jit
+def _quantize_head_vectors(x_ptr, cache_ptr, scale_ptr, heads, dims, mask, head_mask):
+    """Store x [BLOCK_H, BLOCK_D] (one token's heads) as e4m3 of each head's absolute maximum / 448,
+    and that scale."""
+    x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    quantized = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    tl.store(cache_ptr, quantized.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale, mask=head_mask)
+
+
+@triton.jit
+def _write_kv_fp8_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kp, stride_ks, stride_kch, stride_vp, stride_vs, stride_vch, stride_sp, stride_ss,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:                                                  # -1 marks a padding token
+        page = slot // PAGE_SIZE
+        offset = slot % PAGE_SIZE
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        head_mask = heads < NUM_KV_HEADS
+        mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
+        scale_offsets = page * stride_sp + offset * stride_ss + heads
+        _quantize_head_vectors(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :],
+                               k_cache_ptr + page * stride_kp + offset * stride_ks + heads[:, None] * stride_kch
+                               + dims[None, :], ks_ptr + scale_offsets, heads, dims, mask, head_mask)
+        _quantize_head_vectors(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :],
+                               v_cache_ptr + page * stride_vp + offset * stride_vs + heads[:, None] * stride_vch
+                               + dims[None, :], vs_ptr + scale_offsets, heads, dims, mask, head_mask)
+
+
 def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-                      max_query_len: int, out=None, *, first_seq: int = 0, block_m: int | None = None,
-                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+                      max_query_len: int, out=None, *, first_seq: int = 0, k_scale=None, v_scale=None,
+                      block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None):
     """Causal attention of each sequence's new tokens over its paged context; returns out [T, Hq, D].
 
     `first_seq`: sequences before it are left alone (a mixed step serves them as decodes); their rows
-    of `out` are not written. block_m/block_n (query and key tile), num_warps and num_stages are
-    tuning knobs for benchmarks."""
+    of `out` are not written. k_scale/v_scale come with an FP8 cache. block_m/block_n (query and key
+    tile), num_warps and num_stages are tuning knobs for benchmarks."""
     import torch
 
     _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
@@ -175,15 +230,18 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
         tiles, launch = (128, 128), {"num_warps": num_warps or 8, "num_stages": num_stages or 3}
     block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     grid = (batch - first_seq, num_heads, triton.cdiv(max_query_len, block_m))
+    fp8 = k_scale is not None
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, query_start_loc, seq_lens,
+        block_tables,
         scale * LOG2E, first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         block_tables.stride(0),
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, **launch,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, FP8_KV=fp8, **launch,
     )
     return out
 
@@ -216,6 +274,33 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
+def write_kv_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    """Quantize new keys/values k, v [T, Hkv, D] into an FP8 cache at slot_mapping [T] (negative: padding):
+    each head's vector as e4m3 of its absolute maximum / 448, that scale into k_scale/v_scale."""
+    import torch
+
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k/v must be [T, Hkv, D] matching the cache {tuple(k_cache.shape)}, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    check_kv_scales(k, k_cache, v_cache, k_scale, v_scale)
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("k and v need a contiguous head dimension, the caches equal strides")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_fp8_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
+    )
+
+
 def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
     import torch
 
@@ -228,8 +313,6 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) 
     if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
         raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache heads "
                          f"{k_cache.shape[2]} x {k_cache.shape[3]}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head dimension")
     batch = seq_lens.shape[0]
@@ -249,7 +332,7 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) 
 
 
 def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                scale: float):
+                                scale: float, k_scale=None, v_scale=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
     import torch
 
@@ -260,8 +343,8 @@ def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, 
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         length = int(seq_lens[seq])
         pages = block_tables[seq, : (length + page_size - 1) // page_size].long()
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        k = gathered_kv(k_cache, k_scale, pages, length)
+        v = gathered_kv(v_cache, v_scale, pages, length)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         positions = torch.arange(length - (end - start), length, device=q.device)

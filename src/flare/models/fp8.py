@@ -9,13 +9,14 @@ dequantizes in registers on CUDA (flare.kernels.fp8_linear), and in torch elsewh
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from flare.kernels import routing
-from flare.kernels.fp8_reference import fp8_linear_reference, scale_grid
+from flare.kernels.fp8_reference import fp8_linear_reference, quantize_blocks, scale_grid
 from flare.models.errors import WeightError
 from flare.models.quantization import Fp8Weights
 
@@ -38,6 +39,20 @@ def scale_layout(fp8: Fp8Weights, shard_rows) -> ScaleLayout:
     block_rows, block_columns = fp8.block
     aligned = all(rows % block_rows == 0 for rows in shard_rows)
     return ScaleLayout(block_rows if aligned else 1, block_columns)
+
+
+def online_fp8_tensors(weights: Iterable[tuple[str, torch.Tensor]], fp8: Fp8Weights) -> Iterator[tuple[str, torch.Tensor]]:
+    """A BF16 checkpoint's tensors as the online FP8 export stores them: each projection weight `fp8`
+    converts becomes its e4m3 blocks and their float32 `weight_scale_inv` (flare.kernels.fp8_reference
+    .quantize_blocks); every other tensor passes unchanged."""
+    for name, tensor in weights:
+        module, _, suffix = name.rpartition(".")
+        if suffix == "weight" and tensor.dim() == 2 and fp8.quantizes(module):
+            quantized, scale = quantize_blocks(tensor, fp8.block)
+            yield name, quantized
+            yield f"{module}.{fp8.scale_suffix}", scale
+        else:
+            yield name, tensor
 
 
 class Fp8Linear(nn.Module):

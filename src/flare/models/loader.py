@@ -13,8 +13,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def read_model_config(directory: Path) -> ModelConfig:
-    return ModelConfig.from_hf_config(json.loads((Path(directory) / "config.json").read_text()))
+def read_model_config(directory: Path, online_fp8: tuple[str, ...] = (), kv_cache_dtype: str = "auto") -> ModelConfig:
+    return ModelConfig.from_hf_config(json.loads((Path(directory) / "config.json").read_text()),
+                                      online_fp8=online_fp8, kv_cache_dtype=kv_cache_dtype)
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -42,11 +43,20 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, "torch.Tensor"]]:  
                 yield name, weights.get_tensor(name)
 
 
-def load_checkpoint(directory: Path, dtype, device, attention_backend):
-    """`(ModelConfig, CausalLM)` for a checkpoint directory, weights loaded onto `device` in `dtype`."""
+def load_checkpoint(directory: Path, dtype, device, attention_backend, *, online_fp8: tuple[str, ...] = (),
+                    kv_cache_dtype: str = "auto"):
+    """`(ModelConfig, CausalLM)` for a checkpoint directory, weights loaded onto `device` in `dtype`.
+
+    `online_fp8` (decoder projection names) converts those BF16 projections to FP8 while loading, as
+    `ignition export --online-mxfp8` stores them; `kv_cache_dtype` "fp8" gives the model an FP8 KV cache."""
     from flare.models.registry import build_model
 
-    cfg = read_model_config(directory)
+    cfg = read_model_config(directory, online_fp8, kv_cache_dtype)
     model = build_model(cfg, dtype, device, attention_backend)
-    model.load_hf_weights(iter_safetensors(directory))
+    weights = iter_safetensors(directory)
+    if online_fp8:
+        from flare.models.fp8 import online_fp8_tensors
+
+        weights = online_fp8_tensors(weights, cfg.fp8)
+    model.load_hf_weights(weights)
     return cfg, model
