@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_LOGIT_BIAS = 1024       # entries per request (the device sampler's table width; vLLM's limit too)
 
 
 class InvalidSamplingParams(ValueError):
@@ -47,6 +50,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {value}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidSamplingParams(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} "
+                                        "are accepted")
+        if any(not math.isfinite(value) for _, value in self.logit_bias):
+            raise InvalidSamplingParams("logit_bias values must be finite numbers")
         if any(not isinstance(stop, str) or not stop for stop in self.stop):
             raise InvalidSamplingParams(f"stop strings must be non-empty text, got {list(self.stop)}")
         if any(token_id < 0 for token_id in self.stop_token_ids):

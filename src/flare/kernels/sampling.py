@@ -1,0 +1,553 @@
+"""Sampling on the device without sorting the vocabulary: capturable, exact, batch-invariant.
+
+The semantics (penalties, bias, mask, greedy, min-p, top-k, top-p, the draw, ties) and the random
+numbers are those of flare.kernels.sampling_reference, the torch reference these kernels are tested
+against. Per-request parameters come from device tables indexed by slot (`SamplingTables`), so a step
+builds nothing on the host and the whole call can be captured in a CUDA graph.
+
+How the thresholds are found without a sort. Every processed logit w has a 32-bit key whose unsigned
+order is the float order. The k-th largest key (top-k) and the key where the head's probability mass
+reaches top_p (top-p) are found by radix select, 4 bits a pass from the top: a pass histograms the
+keys' next digit over the candidates that match the digits chosen so far (counts for top-k, masses
+exp(x) for top-p), and the next pass picks the bin where the running count (mass) from the top reaches
+k (top_p * mass); eight passes fix a key exactly. Then each kept token gets x + g with g a Gumbel
+variate, and the largest wins (the exponential race: an exact draw from the renormalised kept mass).
+
+Why 4 bits a pass: Triton has no weighted shared-memory histogram, so a pass costs a compare, a select
+and an add per element per bin. 2^b bins and 32 / b passes cost 2^b * 32 / b per element: b = 8 gives
+1024, b = 4 gives 128, b = 2 gives 64 but 16 launches per threshold. At batch 1 the launches dominate
+(the 512 KB of fp32 logits sit in L2), at batch 256 the per-element work does; b = 4 balances the two.
+
+Passes (one launch each, grid = rows x parts; each part owns CHUNK consecutive tokens of its row):
+    0       prepare: w from the logits (penalties, bias, mask) into the workspace, each part's max and
+            argmax, each tile's largest key, and for top-k rows the histogram of digit 0
+    1..16   each pass first decides the previous pass's digit from the parts' histograms (every part
+            computes the same decision; part 0 records it), then does its own work for the row:
+              top-k rows: digits 1..7 in passes 1..7
+              top-p rows: digits 0..7 in passes 1..8, or 8..15 after a top-k
+              the draw in the pass after the last digit (pass 1 for rows with neither)
+    finish  one program per row: the token (the race's winner, or the argmax for greedy rows and rows
+            that keep nothing), and one more output count for penalty slots
+A row whose thresholds are known early does nothing in later passes; a tile whose largest key is
+below the current bucket is skipped without being read.
+
+Exactness: the prepare kernel rounds every operation as torch does (correctly rounded division, no
+fused multiply-adds), so w, the keys, top-k and min-p match the reference bit for bit; masses and the
+Gumbel variates go through exp/log, whose last bits differ between implementations, so kernel and
+reference can disagree only where a threshold or the race is decided within a few ulps.
+
+Determinism: counts are integers; masses are float32 sums in a fixed order (tiles of a part in turn,
+then parts 0..P-1), and the split of a row into parts depends only on the vocabulary size, never on
+the batch. So a row's token depends only on its logits, its slot's parameters and its position.
+
+Shapes:
+    logits          [N, V] float32/bfloat16/float16, last dim contiguous
+    slots           [N] int64 (device): each row's slot in the tables (rows may share a slot)
+    positions       [N] int64 (device): each row's position (the counter of its random numbers)
+    allowed_bitmask [N, ceil(V / 32)] int32 or None: bit t % 32 of word t // 32 set = token t allowed
+    out             [N] int64
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flare.kernels.sampling_reference import (
+    FIELD_FLAGS, FIELD_FREQUENCY, FIELD_INV_TEMPERATURE, FIELD_LOG_MIN_P, FIELD_NUM_BIAS, FIELD_PRESENCE,
+    FIELD_REPETITION, FIELD_SEED_HI, FIELD_SEED_LO, FIELD_TOP_K, FIELD_TOP_P, FLAG_BIAS, FLAG_PENALTIES,
+    FLAG_RANDOM, MAX_LOGIT_BIAS, NUM_FIELDS, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1,
+    PURPOSE_SAMPLE, SamplingTables, bitmask_words)
+
+NUM_PASSES = 17                 # prepare + 16 passes; the last top-p digit is decided in pass 16
+HIST_PASSES = 16                # passes that may leave a histogram (0..15)
+STATE_FIELDS = 8
+
+_F_FLAGS: tl.constexpr = FIELD_FLAGS
+_F_TOP_K: tl.constexpr = FIELD_TOP_K
+_F_TOP_P: tl.constexpr = FIELD_TOP_P
+_F_INV_T: tl.constexpr = FIELD_INV_TEMPERATURE
+_F_LOG_MIN_P: tl.constexpr = FIELD_LOG_MIN_P
+_F_REPETITION: tl.constexpr = FIELD_REPETITION
+_F_PRESENCE: tl.constexpr = FIELD_PRESENCE
+_F_FREQUENCY: tl.constexpr = FIELD_FREQUENCY
+_F_SEED_LO: tl.constexpr = FIELD_SEED_LO
+_F_SEED_HI: tl.constexpr = FIELD_SEED_HI
+_F_NUM_BIAS: tl.constexpr = FIELD_NUM_BIAS
+_NUM_FIELDS: tl.constexpr = NUM_FIELDS
+_RANDOM: tl.constexpr = FLAG_RANDOM
+_PENALTIES: tl.constexpr = FLAG_PENALTIES
+_BIAS: tl.constexpr = FLAG_BIAS
+_MAX_BIAS: tl.constexpr = MAX_LOGIT_BIAS
+
+_S_PREFIX: tl.constexpr = 0         # key bits chosen so far in the current threshold (uint32 bits)
+_S_K_LEFT: tl.constexpr = 1         # top-k: tokens still to take inside the current bucket
+_S_TAU_K: tl.constexpr = 2          # the top-k threshold key (0: none)
+_S_TAU_P: tl.constexpr = 3          # the top-p threshold key (0: none)
+_S_MASS_ABOVE: tl.constexpr = 4     # top-p: mass of the kept tokens above the current bucket (float bits)
+_S_TARGET: tl.constexpr = 5         # top-p: top_p * the mass left by min-p and top-k (float bits)
+_STATE_FIELDS: tl.constexpr = STATE_FIELDS
+
+_M0: tl.constexpr = PHILOX_M0
+_M1: tl.constexpr = PHILOX_M1
+_W0: tl.constexpr = PHILOX_W0
+_W1: tl.constexpr = PHILOX_W1
+_ROUNDS: tl.constexpr = PHILOX_ROUNDS
+_PURPOSE_SAMPLE: tl.constexpr = PURPOSE_SAMPLE
+
+
+@dataclass(frozen=True)
+class SamplingKernelConfig:
+    """Launch shape. `chunk` (tokens per program) fixes how a row's sums are split, so it must not change
+    with the batch; results are identical for any config only up to float summation order."""
+
+    chunk: int = 4096
+    block: int = 1024
+    num_warps: int = 4
+
+    def parts(self, vocab_size: int) -> int:
+        return triton.cdiv(vocab_size, self.chunk)
+
+
+@dataclass(frozen=True)
+class SamplingWorkspace:
+    """Scratch for up to `max_rows` rows, allocated once (static addresses for graph capture)."""
+
+    logits: torch.Tensor            # [rows, V] float32: w
+    stats_value: torch.Tensor       # [rows, parts] float32: each part's largest w
+    stats_index: torch.Tensor       # [rows, parts] int32: and its first index
+    tile_max: torch.Tensor          # [rows, parts * tiles] int32: each tile's largest key (uint32 bits)
+    hist: torch.Tensor              # [HIST_PASSES, rows, parts, 16] float32
+    state: torch.Tensor             # [NUM_PASSES, rows, STATE_FIELDS] int32
+    race_value: torch.Tensor        # [rows, parts] float32: each part's best x + g
+    race_index: torch.Tensor        # [rows, parts] int32
+    kept_mass: torch.Tensor         # [rows, parts] float32 (target_probs only)
+    config: SamplingKernelConfig
+
+    @staticmethod
+    def allocate(max_rows: int, vocab_size: int, device: torch.device | str,
+                 config: SamplingKernelConfig = SamplingKernelConfig()) -> SamplingWorkspace:
+        if config.chunk % config.block:
+            raise ValueError(f"sampling: chunk {config.chunk} must be a multiple of block {config.block}")
+        parts = config.parts(vocab_size)
+        tiles = parts * (config.chunk // config.block)
+        f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+        return SamplingWorkspace(
+            logits=torch.empty(max_rows, vocab_size, **f32), stats_value=torch.empty(max_rows, parts, **f32),
+            stats_index=torch.empty(max_rows, parts, **i32), tile_max=torch.empty(max_rows, tiles, **i32),
+            hist=torch.empty(HIST_PASSES, max_rows, parts, 16, **f32),
+            state=torch.empty(NUM_PASSES, max_rows, STATE_FIELDS, **i32),
+            race_value=torch.empty(max_rows, parts, **f32), race_index=torch.empty(max_rows, parts, **i32),
+            kept_mass=torch.empty(max_rows, parts, **f32), config=config)
+
+    @property
+    def max_rows(self) -> int:
+        return self.logits.shape[0]
+
+
+# -- device helpers (few: under Triton's interpreter every helper call costs a language re-patch) --------
+
+@triton.jit
+def _choose_bin(hist, base, need):
+    """The highest bin b with base + (sum of bins >= b) >= need (bin 0 if none), and the sum above b."""
+    bins = tl.arange(0, 16)
+    at_or_above = tl.sum(tl.where(bins[None, :] >= bins[:, None], hist[None, :], 0.0), axis=1)
+    above = tl.sum(tl.where(bins[None, :] > bins[:, None], hist[None, :], 0.0), axis=1)
+    chosen = tl.max(tl.where(base + at_or_above >= need, bins, 0), axis=0)
+    return chosen, tl.sum(tl.where(bins == chosen, above, 0.0), axis=0)
+
+
+@triton.jit
+def counter_uniform(seed_lo, seed_hi, position, index, purpose):
+    """float64 uniforms in (0, 1) for token indices `index` (a tensor): counter_uniform in
+    sampling_reference, bit for bit. seed_lo/seed_hi are the seed's 32-bit words (int32 bits), position
+    an integer scalar, purpose a PURPOSE_* constant. Other kernels (speculation) may call it."""
+    pos = position.to(tl.int64)
+    c0 = index.to(tl.uint32)
+    zero = c0 * 0
+    c1 = zero + (pos & 0xFFFFFFFF).to(tl.uint32)
+    c2 = zero + (pos >> 32).to(tl.uint32)
+    c3 = zero + purpose
+    k0 = seed_lo.to(tl.uint32, bitcast=True)
+    k1 = seed_hi.to(tl.uint32, bitcast=True)
+    for _ in tl.static_range(_ROUNDS):
+        hi0 = tl.umulhi(c0, _M0)
+        lo0 = c0 * _M0
+        hi1 = tl.umulhi(c2, _M1)
+        lo1 = c2 * _M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + _W0
+        k1 = k1 + _W1
+    bits52 = (c0.to(tl.uint64) << 20) | (c1 >> 12).to(tl.uint64)
+    return (bits52.to(tl.float64) + 0.5) * 2.220446049250313e-16       # 2 ** -52
+
+
+# A row's schedule follows from its parameters: its digit passes are [first, first + digits) -- top-k's
+# 8 digits from pass 0, then top-p's 8 (from pass 1 when there is no top-k) -- and its draw is the pass
+# right after them. State slot j of a row holds its thresholds after j digit decisions.
+
+# -- pass 0: prepare --------------------------------------------------------------------------------------
+
+@triton.jit
+def _prepare_kernel(
+    logits_ptr, stride_logits, w_ptr, stride_w, slots_ptr, params_ptr,
+    prompt_bits_ptr, stride_bits, counts_ptr, stride_counts, bias_ids_ptr, bias_values_ptr,
+    mask_ptr, stride_mask, stats_value_ptr, stats_index_ptr, tile_max_ptr, hist_ptr, state_ptr,
+    V, max_rows,
+    HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+):
+    TILES: tl.constexpr = CHUNK // BLOCK
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    params = params_ptr + slot * _NUM_FIELDS
+    flags = tl.load(params + _F_FLAGS)
+    top_k = tl.load(params + _F_TOP_K)
+    has_k = ((flags & _RANDOM) != 0) & (top_k > 0)
+    has_penalties = (flags & _PENALTIES) != 0
+    has_bias = (flags & _BIAS) != 0
+    repetition = tl.load(params + _F_REPETITION).to(tl.float32, bitcast=True)
+    presence = tl.load(params + _F_PRESENCE).to(tl.float32, bitcast=True)
+    frequency = tl.load(params + _F_FREQUENCY).to(tl.float32, bitcast=True)
+    bias_ids = bias_ids_ptr + slot * _MAX_BIAS
+    best = tl.full([], float("-inf"), tl.float32)
+    best_index = part * CHUNK
+    hist = tl.zeros([16], dtype=tl.float32)
+    bins = tl.arange(0, 16)
+    for t in range(TILES):
+        tile_start = part * CHUNK + t * BLOCK
+        offs = tile_start + tl.arange(0, BLOCK)
+        in_range = offs < V
+        w = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + offs, mask=in_range,
+                    other=float("-inf")).to(tl.float32)
+        if has_penalties:           # repetition on prompt and output tokens, presence/frequency on output counts
+            count = tl.load(counts_ptr + slot * stride_counts + offs, mask=in_range, other=0)
+            word = tl.load(prompt_bits_ptr + slot * stride_bits + (offs >> 5), mask=in_range, other=0)
+            seen = (((word >> (offs & 31)) & 1) != 0) | (count > 0)
+            w = tl.where(seen, tl.where(w > 0, tl.math.div_rn(w, repetition), w * repetition), w)
+            w = w - (frequency * count.to(tl.float32) + presence * (count > 0).to(tl.float32))
+        if has_bias:                # the entries inside this tile: a run of the ascending ids
+            ids = tl.load(bias_ids + tl.arange(0, _MAX_BIAS))
+            first_entry = tl.sum((ids < tile_start).to(tl.int32), axis=0)
+            for entry in range(first_entry, tl.sum((ids < tile_start + BLOCK).to(tl.int32), axis=0)):
+                bias = tl.load(bias_values_ptr + slot * _MAX_BIAS + entry)
+                w = tl.where(offs == tl.load(bias_ids + entry), w + bias, w)
+        if HAS_MASK:
+            word = tl.load(mask_ptr + row * stride_mask + (offs >> 5), mask=in_range, other=0)
+            w = tl.where(((word >> (offs & 31)) & 1) != 0, w, float("-inf"))
+        w = tl.where(in_range, tl.where(w == 0.0, 0.0, w), float("-inf"))      # -0.0 -> +0.0
+        tl.store(w_ptr + row.to(tl.int64) * stride_w + offs, w, mask=in_range)
+        bits = w.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)    # unsigned order = float order
+        tl.store(tile_max_ptr + row * (PARTS * TILES) + part * TILES + t,
+                 tl.max(tl.where(in_range, key, 0), axis=0).to(tl.int32, bitcast=True))
+        tile_best = tl.max(w, axis=0)
+        best_index = tl.where(tile_best > best, tile_start + tl.argmax(w, axis=0), best_index)
+        best = tl.maximum(best, tile_best)
+        if has_k:
+            hit = in_range[:, None] & ((key >> 28).to(tl.int32)[:, None] == bins[None, :])
+            hist += tl.sum(tl.where(hit, 1.0, 0.0), axis=0)
+    tl.store(stats_value_ptr + row * PARTS + part, best)
+    tl.store(stats_index_ptr + row * PARTS + part, best_index)
+    if has_k:
+        tl.store(hist_ptr + (row * PARTS + part) * 16 + bins, hist)
+    if part == 0:                               # state slot 0: nothing chosen, k tokens to take
+        st = state_ptr + row * _STATE_FIELDS
+        tl.store(st + _S_PREFIX, 0)
+        tl.store(st + _S_K_LEFT, top_k)
+        tl.store(st + _S_TAU_K, 0)
+        tl.store(st + _S_TAU_P, 0)
+        tl.store(st + _S_MASS_ABOVE, 0)        # the bits of 0.0
+        tl.store(st + _S_TARGET, 0)
+
+
+# -- passes 1..16 -----------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["pass_index"])
+def _pass_kernel(
+    w_ptr, stride_w, slots_ptr, positions_ptr, params_ptr, stats_value_ptr, tile_max_ptr, hist_ptr,
+    state_ptr, race_value_ptr, race_index_ptr,
+    pass_index, V, max_rows,
+    DRAW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+):
+    TILES: tl.constexpr = CHUNK // BLOCK
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
+    flags = tl.load(params + _F_FLAGS)
+    is_random = (flags & _RANDOM) != 0
+    has_k = is_random & (tl.load(params + _F_TOP_K) > 0)
+    top_p = tl.load(params + _F_TOP_P).to(tl.float32, bitcast=True)
+    has_p = is_random & (top_p < 1.0)
+    first = tl.where(has_k, 0, 1)
+    digits = tl.where(has_k, 8, 0) + tl.where(has_p, 8, 0)
+    decide = (pass_index > first) & (pass_index <= first + digits)       # on the previous pass's digit
+    histogram_now = (pass_index >= first) & (pass_index < first + digits)
+    draw_now = is_random & (pass_index == first + digits) & DRAW
+    if decide | histogram_now | draw_now:
+        decided = tl.minimum(tl.maximum(pass_index - first, 0), digits)
+        st = state_ptr + ((decided - decide.to(tl.int32)) * max_rows + row) * _STATE_FIELDS
+        prefix = tl.load(st + _S_PREFIX).to(tl.uint32, bitcast=True)
+        k_left = tl.load(st + _S_K_LEFT)
+        tau_k = tl.load(st + _S_TAU_K).to(tl.uint32, bitcast=True)
+        tau_p = tl.load(st + _S_TAU_P).to(tl.uint32, bitcast=True)
+        mass_above = tl.load(st + _S_MASS_ABOVE).to(tl.float32, bitcast=True)
+        target = tl.load(st + _S_TARGET).to(tl.float32, bitcast=True)
+        if decide:
+            previous = pass_index - 1 - first
+            decided_digit = previous % 8
+            parts = tl.arange(0, PARTS_PAD)
+            partials = tl.load(hist_ptr + (((pass_index - 1) * max_rows + row) * PARTS + parts[:, None]) * 16
+                               + tl.arange(0, 16)[None, :], mask=parts[:, None] < PARTS, other=0.0)
+            totals = tl.sum(partials, axis=0)
+            if has_k & (previous < 8):
+                chosen, above = _choose_bin(totals, 0.0, k_left.to(tl.float32))
+                k_left = k_left - above.to(tl.int32)
+            else:
+                if decided_digit == 0:
+                    target = top_p * tl.sum(totals, axis=0)
+                chosen, above = _choose_bin(totals, mass_above, target)
+                mass_above = mass_above + above
+            prefix = prefix | (chosen.to(tl.uint32) << (28 - 4 * decided_digit).to(tl.uint32))
+            if decided_digit == 7:
+                if has_k & (previous < 8):
+                    tau_k = prefix
+                else:
+                    tau_p = prefix
+                prefix = tl.full([], 0, tl.uint32)
+            if part == 0:
+                st = state_ptr + (decided * max_rows + row) * _STATE_FIELDS
+                tl.store(st + _S_PREFIX, prefix.to(tl.int32, bitcast=True))
+                tl.store(st + _S_K_LEFT, k_left)
+                tl.store(st + _S_TAU_K, tau_k.to(tl.int32, bitcast=True))
+                tl.store(st + _S_TAU_P, tau_p.to(tl.int32, bitcast=True))
+                tl.store(st + _S_MASS_ABOVE, mass_above.to(tl.int32, bitcast=True))
+                tl.store(st + _S_TARGET, target.to(tl.int32, bitcast=True))
+        if histogram_now | draw_now:
+            relative = pass_index - first
+            counting = has_k & (relative < 8)                   # top-k counts; top-p sums masses
+            digit = tl.where(draw_now, 0, relative % 8)
+            shift = (28 - 4 * digit).to(tl.uint32)
+            one = tl.full([], 1, tl.int64)
+            high_mask = ((one << 32) - (one << (32 - 4 * digit).to(tl.int64))).to(tl.uint32)
+            lower = tl.where(draw_now, tl.maximum(tau_k, tau_p), tl.where(counting, prefix, tl.maximum(tau_k, prefix)))
+            parts = tl.arange(0, PARTS_PAD)
+            w_max = tl.max(tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS,
+                                   other=float("-inf")), axis=0)
+            inv_t = tl.load(params + _F_INV_T).to(tl.float32, bitcast=True)
+            log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
+            position = tl.load(positions_ptr + row)
+            seed_lo = tl.load(params + _F_SEED_LO)
+            seed_hi = tl.load(params + _F_SEED_HI)
+            bins = tl.arange(0, 16)
+            hist = tl.zeros([16], dtype=tl.float32)
+            best = tl.full([], float("-inf"), tl.float32)
+            best_index = V
+            for t in range(TILES):
+                tile = part * TILES + t
+                tile_max = tl.load(tile_max_ptr + row * (PARTS * TILES) + tile).to(tl.uint32, bitcast=True)
+                if tile_max >= lower:                           # else no candidate here: skip the tile
+                    offs = tile * BLOCK + tl.arange(0, BLOCK)
+                    in_range = offs < V
+                    w = tl.load(w_ptr + row.to(tl.int64) * stride_w + offs, mask=in_range, other=float("-inf"))
+                    bits = w.to(tl.int32, bitcast=True)
+                    key = (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+                    x = (w - w_max) * inv_t
+                    kept = in_range & (w > float("-inf")) & (x >= log_min_p) & (key >= lower)
+                    if draw_now:
+                        exponential = -tl.log(counter_uniform(seed_lo, seed_hi, position, offs, _PURPOSE_SAMPLE))
+                        gumbel = -tl.log(exponential.to(tl.float32))       # as gumbel_noise in the reference
+                        score = tl.where(kept, x + gumbel, float("-inf"))
+                        tile_best = tl.max(score, axis=0)
+                        best_index = tl.where(tile_best > best, tile * BLOCK + tl.argmax(score, axis=0), best_index)
+                        best = tl.maximum(best, tile_best)
+                    else:
+                        valid = tl.where(counting, in_range, kept) & ((key & high_mask) == prefix)
+                        weight = tl.where(counting, 1.0, tl.exp(x))
+                        hit = valid[:, None] & (((key >> shift) & 15).to(tl.int32)[:, None] == bins[None, :])
+                        hist += tl.sum(tl.where(hit, weight[:, None], 0.0), axis=0)
+            if draw_now:
+                tl.store(race_value_ptr + row * PARTS + part, best)
+                tl.store(race_index_ptr + row * PARTS + part, tl.where(best > float("-inf"), best_index, V))
+            else:
+                tl.store(hist_ptr + ((pass_index * max_rows + row) * PARTS + part) * 16 + bins, hist)
+
+
+# -- finish -----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _finish_kernel(
+    out_ptr, slots_ptr, params_ptr, counts_ptr, stride_counts, stats_value_ptr, stats_index_ptr,
+    race_value_ptr, race_index_ptr, V, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row)
+    flags = tl.load(params_ptr + slot * _NUM_FIELDS + _F_FLAGS)
+    parts = tl.arange(0, PARTS_PAD)
+    values = tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS, other=float("-inf"))
+    indices = tl.load(stats_index_ptr + row * PARTS + parts, mask=parts < PARTS, other=V)
+    token = tl.min(tl.where(values == tl.max(values, axis=0), indices, V), axis=0)     # first argmax
+    if (flags & _RANDOM) != 0:
+        values = tl.load(race_value_ptr + row * PARTS + parts, mask=parts < PARTS, other=float("-inf"))
+        indices = tl.load(race_index_ptr + row * PARTS + parts, mask=parts < PARTS, other=V)
+        drawn = tl.min(tl.where(values == tl.max(values, axis=0), indices, V), axis=0)
+        token = tl.where(drawn < V, drawn, token)               # V: the row kept nothing
+    tl.store(out_ptr + row, token.to(tl.int64))
+    if (flags & _PENALTIES) != 0:
+        tl.atomic_add(counts_ptr + slot * stride_counts + token, 1)
+
+
+# -- the processed distribution (speculation) -------------------------------------------------------------
+
+@triton.jit
+def _probs_kernel(
+    probs_ptr, stride_probs, w_ptr, stride_w, slots_ptr, params_ptr, stats_value_ptr, stats_index_ptr,
+    state_ptr, kept_mass_ptr, V, max_rows,
+    NORMALIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+):
+    """NORMALIZE False: each part's kept mass; True: the probabilities (one-hot at the argmax when the row
+    is greedy or keeps nothing)."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
+    flags = tl.load(params + _F_FLAGS)
+    is_random = (flags & _RANDOM) != 0
+    has_k = is_random & (tl.load(params + _F_TOP_K) > 0)
+    has_p = is_random & (tl.load(params + _F_TOP_P).to(tl.float32, bitcast=True) < 1.0)
+    st = state_ptr + ((tl.where(has_k, 8, 0) + tl.where(has_p, 8, 0)) * max_rows + row) * _STATE_FIELDS
+    tau = tl.maximum(tl.load(st + _S_TAU_K).to(tl.uint32, bitcast=True),
+                     tl.load(st + _S_TAU_P).to(tl.uint32, bitcast=True))
+    inv_t = tl.load(params + _F_INV_T).to(tl.float32, bitcast=True)
+    log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
+    parts = tl.arange(0, PARTS_PAD)
+    values = tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS, other=float("-inf"))
+    indices = tl.load(stats_index_ptr + row * PARTS + parts, mask=parts < PARTS, other=V)
+    w_max = tl.max(values, axis=0)
+    argmax = tl.min(tl.where(values == w_max, indices, V), axis=0)
+    total = tl.sum(tl.load(kept_mass_ptr + row * PARTS + parts, mask=parts < PARTS, other=0.0), axis=0)
+    mass = tl.full([], 0.0, tl.float32)
+    for t in range(CHUNK // BLOCK):
+        offs = part * CHUNK + t * BLOCK + tl.arange(0, BLOCK)
+        in_range = offs < V
+        w = tl.load(w_ptr + row.to(tl.int64) * stride_w + offs, mask=in_range, other=float("-inf"))
+        bits = w.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+        x = (w - w_max) * inv_t
+        kept = is_random & in_range & (w > float("-inf")) & (x >= log_min_p) & (key >= tau)
+        if NORMALIZE:
+            probs = tl.where(kept, tl.exp(x) / tl.where(total > 0.0, total, 1.0), 0.0)
+            probs = tl.where(is_random & (total > 0.0), probs, tl.where(offs == argmax, 1.0, 0.0))
+            tl.store(probs_ptr + row.to(tl.int64) * stride_probs + offs, probs, mask=in_range)
+        else:
+            mass += tl.sum(tl.where(kept, tl.exp(x), 0.0), axis=0)
+    if not NORMALIZE:
+        tl.store(kept_mass_ptr + row * PARTS + part, mass)
+
+
+# -- launchers --------------------------------------------------------------------------------------------
+
+def sample(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, tables: SamplingTables,
+           workspace: SamplingWorkspace, allowed_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [N] int64; penalty slots' output counts go up by one. Capturable: no host sync."""
+    rows = _check(logits, slots, positions, tables, workspace, allowed_bitmask)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    meta = _run_passes(logits, slots, positions, tables, workspace, allowed_bitmask, draw=True)
+    _finish_kernel[(rows,)](
+        out, slots, tables.params, tables.output_counts, tables.output_counts.stride(0),
+        workspace.stats_value, workspace.stats_index, workspace.race_value, workspace.race_index,
+        logits.shape[1], PARTS=meta["PARTS"], PARTS_PAD=meta["PARTS_PAD"], num_warps=1)
+    return out
+
+
+def target_probs(logits: torch.Tensor, slots: torch.Tensor, tables: SamplingTables, workspace: SamplingWorkspace,
+                 allowed_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, V] float32: the distribution each row draws from (one-hot at the argmax for greedy rows)."""
+    positions = torch.zeros_like(slots)
+    rows = _check(logits, slots, positions, tables, workspace, allowed_bitmask)
+    vocab_size = logits.shape[1]
+    probs = torch.empty(rows, vocab_size, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return probs
+    meta = _run_passes(logits, slots, positions, tables, workspace, allowed_bitmask, draw=False)
+    grid = (rows, meta["PARTS"])
+    common = dict(CHUNK=meta["CHUNK"], BLOCK=meta["BLOCK"], PARTS=meta["PARTS"], PARTS_PAD=meta["PARTS_PAD"],
+                  num_warps=workspace.config.num_warps)
+    w = workspace.logits
+    for normalize in (False, True):
+        _probs_kernel[grid](probs, probs.stride(0), w, w.stride(0), slots, tables.params, workspace.stats_value,
+                            workspace.stats_index, workspace.state, workspace.kept_mass, vocab_size,
+                            workspace.max_rows, NORMALIZE=normalize, **common)
+    return probs
+
+
+@triton.jit
+def _uniform_kernel(out_ptr, seed_lo_ptr, seed_hi_ptr, positions_ptr, indices, purpose, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    uniform = counter_uniform(tl.load(seed_lo_ptr + row), tl.load(seed_hi_ptr + row), tl.load(positions_ptr + row),
+                              offs, purpose)
+    tl.store(out_ptr + row * indices + offs, uniform, mask=offs < indices)
+
+
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, num_indices: int,
+             purpose: int) -> torch.Tensor:
+    """[N, num_indices] float64: u(seed[i], positions[i], j, purpose) for j < num_indices, from the kernel."""
+    rows = positions.shape[0]
+    out = torch.empty(rows, num_indices, dtype=torch.float64, device=positions.device)
+    block = min(1024, triton.next_power_of_2(max(num_indices, 1)))
+    _uniform_kernel[(rows, triton.cdiv(num_indices, block))](
+        out, seed_lo.to(torch.int32).contiguous(), seed_hi.to(torch.int32).contiguous(), positions.contiguous(),
+        num_indices, purpose, BLOCK=block)
+    return out
+
+
+def _run_passes(logits, slots, positions, tables: SamplingTables, workspace: SamplingWorkspace,
+                allowed_bitmask, draw: bool) -> dict:
+    rows, vocab_size = logits.shape
+    config = workspace.config
+    parts = config.parts(vocab_size)
+    meta = dict(CHUNK=config.chunk, BLOCK=config.block, PARTS=parts)
+    grid = (rows, parts)
+    w = workspace.logits
+    mask = allowed_bitmask if allowed_bitmask is not None else tables.prompt_bits
+    _prepare_kernel[grid](
+        logits, logits.stride(0), w, w.stride(0), slots, tables.params,
+        tables.prompt_bits, tables.prompt_bits.stride(0), tables.output_counts, tables.output_counts.stride(0),
+        tables.bias_ids, tables.bias_values, mask, mask.stride(0),
+        workspace.stats_value, workspace.stats_index, workspace.tile_max, workspace.hist, workspace.state,
+        vocab_size, workspace.max_rows, HAS_MASK=allowed_bitmask is not None, **meta, num_warps=config.num_warps,
+        enable_fp_fusion=False)          # w must be the reference's bit for bit: no fused multiply-adds
+    meta["PARTS_PAD"] = triton.next_power_of_2(parts)
+    for pass_index in range(1, NUM_PASSES):
+        _pass_kernel[grid](
+            w, w.stride(0), slots, positions, tables.params, workspace.stats_value, workspace.tile_max, workspace.hist, workspace.state, workspace.race_value, workspace.race_index,
+            pass_index, vocab_size, workspace.max_rows, DRAW=draw, **meta, num_warps=config.num_warps)
+    return meta
+
+
+def _check(logits, slots, positions, tables: SamplingTables, workspace: SamplingWorkspace, allowed_bitmask) -> int:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"sampling: logits must be [N, V] with a contiguous last dimension, got {list(logits.shape)}")
+    rows, vocab_size = logits.shape
+    if vocab_size != tables.vocab_size or workspace.logits.shape[1] != vocab_size:
+        raise ValueError(f"sampling: logits have {vocab_size} columns, the tables {tables.vocab_size} and the "
+                         f"workspace {workspace.logits.shape[1]}")
+    if rows > workspace.max_rows:
+        raise ValueError(f"sampling: {rows} rows but the workspace holds {workspace.max_rows}")
+    for name, tensor in (("slots", slots), ("positions", positions)):
+        if tensor.shape != (rows,) or tensor.dtype != torch.int64 or tensor.device != logits.device:
+            raise ValueError(f"sampling: {name} must be int64 [{rows}] on {logits.device}, got "
+                             f"{tensor.dtype} {list(tensor.shape)} on {tensor.device}")
+    if allowed_bitmask is not None:
+        expected = (rows, bitmask_words(vocab_size))
+        if (allowed_bitmask.shape != expected or allowed_bitmask.dtype != torch.int32
+                or allowed_bitmask.stride(1) != 1):
+            raise ValueError(f"sampling: allowed_bitmask must be int32 {list(expected)} with a contiguous last "
+                             f"dimension, got {allowed_bitmask.dtype} {list(allowed_bitmask.shape)}")
+    return rows
