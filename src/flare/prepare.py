@@ -13,8 +13,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from flare.errors import UsageError
 from flare.package.export import ExportHooks, ExportSpec, export_entry
+from flare.package.manifest import GraphCatalog, License, Plan, Preparation, Sampling
 from flare.package.signing import publishing_identity
 from flare.package.store import ModelCache, model_key_for
 from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
@@ -136,9 +139,9 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         plan = _plan(recipe, options, settings, hf_config, dtype)
         fit = _fit_memory(source.directory, hf_config, plan, recipe, options.gpus, device)
         selected = fit.selected
-        tensor_parallel = max(1, len(selected))
+        plan = msgspec.structs.replace(plan, tensor_parallel=max(1, len(selected)))
         phase.done(f"{_device_label(selected)}; {dtype}; "
-                   f"concurrency {plan['max_concurrency']}, prefill chunk {plan['prefill_chunk']:,}")
+                   f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}")
     with progress.phase("Load weights") as phase:
         from flare.package import weights as wt
         files = wt.checkpoint_tensor_files(source.directory)
@@ -169,9 +172,10 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
             checkpoint_dir=source.directory, hf_config=hf_config, plan=plan, recipe_name=recipe.name,
             recipe_alias=recipe.alias, checkpoint_repo=source.repo_id, checkpoint_revision=source.revision,
             repository=options.repo_id or recipe.export_repository,
-            sampling={"defaults": _sampling_defaults(recipe, source.directory), "ranges": recipe.sampling_ranges},
-            license=_license(source), tensor_parallel=tensor_parallel,
-            preparation={"device": device, "phases": progress.summary()},
+            sampling=Sampling(_sampling_defaults(recipe, source.directory),
+                              {name: tuple(bounds) for name, bounds in recipe.sampling_ranges.items()}),
+            license=_license(source), preparation=msgspec.convert({"device": device, "phases": progress.summary()},
+                                                                  Preparation),
             graphs=_graph_catalog(plan), compiled=prepared.artifacts if prepared else None)
         entry = export_entry(spec, cache, identity, options.weight_mode, reuse_from, ExportHooks(on_payload))
         phase.done(f"{counts['written']} payloads written, {counts['reused']} reused, "
@@ -180,7 +184,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     return entry
 
 
-def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: PhaseProgress,
+def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: PhaseProgress,
                   compile_workers: int | None = None):
     """The tune, compile, allocate and capture phases: on a GPU, a warm-up of the compiled model whose
     compiled kernels go into the package (flare.engine.compile_cache); on a CPU, nothing to prepare."""
@@ -197,7 +201,7 @@ def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: Phase
     with progress.phase("Compile forward") as phase:
         prepared = prepare_compiled(checkpoint_dir, plan, device, compile_workers)
         size = format_bytes(len(prepared.artifacts.data)) if prepared.artifacts else "nothing"
-        if plan["compile"]:
+        if plan.compile:
             phase.done(f"decoder layers compiled and warmed up in {prepared.seconds:.1f} s; {size} of compiled "
                        "kernels kept for serving")
         else:
@@ -211,11 +215,11 @@ def _prepare_code(checkpoint_dir: Path, plan: dict, device: str, progress: Phase
     return prepared
 
 
-def _graph_catalog(plan: dict) -> dict:
+def _graph_catalog(plan: Plan) -> GraphCatalog:
     """The decode graph catalog of each rank: the plan's sizes, which serving captures exactly."""
-    return {"captured": list(plan["decode_capacities"]),
-            "note": "captured when serving starts on a GPU whose attention runs the Triton kernels; "
-                    "otherwise decode runs eagerly"}
+    return GraphCatalog(plan.decode_capacities,
+                        "captured when serving starts on a GPU whose attention runs the Triton kernels; "
+                        "otherwise decode runs eagerly")
 
 
 def _device(gpus: str | None) -> str:
@@ -227,7 +231,7 @@ def _device(gpus: str | None) -> str:
     return "cpu"
 
 
-def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: RecipeFacts, gpus: str | None,
+def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: RecipeFacts, gpus: str | None,
                 device: str) -> "MemoryFit":
     """The GPUs to prepare on (none on the CPU), refusing before any weight loads a model whose
     estimate does not fit them: the section-6 capacity error."""
@@ -240,17 +244,17 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: dict, recipe: Recip
     from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
                                     snapshot_bytes)
     estimate = MemoryEstimate(
-        weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan["dtype"]),
+        weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype),
         # What serving will set aside beside the pages, so that a package that prepares also serves here.
-        graphs_bytes=serving_scratch_bytes(hf_config, plan["max_concurrency"], plan["prefill_chunk"]),
-        live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan["page_size"],
-                                                                  plan["max_model_len"]),
+        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk),
+        live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan.page_size,
+                                                                  plan.max_model_len),
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
-        kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan["dtype"]]),
-        max_concurrency=plan["max_concurrency"])
+        kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype]),
+        max_concurrency=plan.max_concurrency)
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
-    headroom = max(engine_headroom("preparation", plan["prefill_chunk"]), engine_headroom("serving"))
-    budgets = [memory_budget(d, headroom, reserve=plan["memory_reserve_bytes"]) for d in devices]
+    headroom = max(engine_headroom("preparation", plan.prefill_chunk), engine_headroom("serving"))
+    budgets = [memory_budget(d, headroom, reserve=plan.memory_reserve_bytes) for d in devices]
     sizes = tuple(recipe.tensor_parallel_sizes)
     if device == "cpu":
         check_estimate(estimate, budgets)
@@ -295,7 +299,8 @@ def _device_label(selected: tuple[int, ...]) -> str:
             + (f" of CUDA_VISIBLE_DEVICES={','.join(visible)}" if visible is not None else ""))
 
 
-def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str) -> dict:
+def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str) -> Plan:
+    """The plan for one GPU (the caller sets `tensor_parallel` once the GPUs are chosen)."""
     configured = settings.config.setting_for_model("max_concurrency", (recipe.model_id, *recipe.served_names,
                                                                         recipe.alias))
     concurrency = options.max_concurrency or configured or recipe.default_concurrency
@@ -305,10 +310,11 @@ def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_co
     chunk = options.prefill_chunk or recipe.prefill_chunk
     if options.prefill_chunk is not None and (chunk <= 0 or chunk % 64):
         raise UsageError(f"--prefill-chunk-size {chunk} must be a positive multiple of 64")
-    return {"dtype": dtype, "page_size": recipe.page_size, "prefill_chunk": chunk, "compile": options.compile,
-            "max_concurrency": concurrency, "decode_capacities": list(decode_capacities_for(recipe.decode_capacities, concurrency)),
-            "max_model_len": hf_config.get("max_position_embeddings"),
-            "memory_reserve_bytes": settings.memory_reserve_bytes}
+    return Plan(dtype=dtype, page_size=recipe.page_size, prefill_chunk=chunk, compile=options.compile,
+                max_concurrency=concurrency,
+                decode_capacities=tuple(decode_capacities_for(recipe.decode_capacities, concurrency)),
+                max_model_len=hf_config.get("max_position_embeddings"),
+                memory_reserve_bytes=settings.memory_reserve_bytes, tensor_parallel=1)
 
 
 def _sampling_defaults(recipe: RecipeFacts, checkpoint_dir: Path) -> dict:
@@ -320,7 +326,7 @@ def _sampling_defaults(recipe: RecipeFacts, checkpoint_dir: Path) -> dict:
             if key in config}
 
 
-def _license(source: CheckpointSource) -> dict | None:
+def _license(source: CheckpointSource) -> License | None:
     """The license the checkpoint's model card declares (its `license:` front-matter field)."""
     readme = source.directory / "README.md"
     if not readme.is_file():
@@ -339,7 +345,7 @@ def _license(source: CheckpointSource) -> dict | None:
     link = fields.get("license_link")
     if link is None and source.repo_id:
         link = f"https://huggingface.co/{source.repo_id}/blob/{source.revision or 'main'}/README.md"
-    return {"name": name, "link": link}
+    return License(name, link)
 
 
 def _reuse_source(cache: ModelCache, recipe: RecipeFacts, options: ExportOptions):
@@ -354,12 +360,12 @@ def _reuse_source(cache: ModelCache, recipe: RecipeFacts, options: ExportOptions
     return open_package(cache.entry_path(cache.resolve(f"{key}@{version}")), trust)
 
 
-def _write_initial_config(settings: Settings, recipe: RecipeFacts, plan: dict) -> None:
+def _write_initial_config(settings: Settings, recipe: RecipeFacts, plan: Plan) -> None:
     """The first export writes the configuration file with the resolved values as comments."""
     if settings.exists:
         return
     from flare.config import write_initial_config
     write_initial_config(settings.config_path, {
-        "defaults": {"model": recipe.alias or recipe.model_id, "max_concurrency": plan["max_concurrency"]},
-        "memory": {"reserve": str(plan["memory_reserve_bytes"])},
+        "defaults": {"model": recipe.alias or recipe.model_id, "max_concurrency": plan.max_concurrency},
+        "memory": {"reserve": str(plan.memory_reserve_bytes)},
         "paths": {"package_cache": str(settings.package_cache)}})

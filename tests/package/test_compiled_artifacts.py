@@ -10,6 +10,7 @@ import pytest
 from flare import prepare
 from flare.engine import compile_cache
 from flare.engine.compile_cache import CompiledArtifacts, PreparedCode
+from flare.package.manifest import GraphCatalog, Plan
 from flare.package.verify import IntegrityError
 from flare.package.reader import open_package, open_unverified
 
@@ -31,14 +32,14 @@ def gpu_prepared(monkeypatch):
 def test_export_stores_the_compiled_artifacts_and_catalog(export, approved, gpu_prepared):
     package = open_package(export(), approved)
     assert CompiledArtifacts(*package.compiled_artifacts()) == gpu_prepared
-    assert [catalog["captured"] for catalog in package.graph_catalogs.values()] == [[1, 2, 4]]
+    assert [catalog.captured for catalog in package.graph_catalogs.values()] == [(1, 2, 4)]
 
 
 def test_a_cpu_export_carries_no_compiled_artifacts(export, approved):
     package = open_package(export(), approved)
     assert package.compiled_artifacts() is None
     # The catalog is the plan's: a GPU that serves the package captures exactly these sizes.
-    assert list(package.graph_catalogs.values())[0]["captured"] == package.plan["decode_capacities"] == [1, 2, 4]
+    assert list(package.graph_catalogs.values())[0].captured == package.plan.decode_capacities == (1, 2, 4)
 
 
 def test_tampered_artifacts_are_refused(export, gpu_prepared):
@@ -82,13 +83,20 @@ def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatc
     monkeypatch.setattr(compile_cache, "prepare_compiled", prepared_code)
     from flare.ui.progress import PhaseProgress
     stream = io.StringIO()
-    prepared = prepare._prepare_code(None, {"compile": True}, "cuda", PhaseProgress(stream=stream, styled=False), 3)
+    prepared = prepare._prepare_code(None, _plan(compile=True), "cuda", PhaseProgress(stream=stream, styled=False), 3)
     text = stream.getvalue()
     assert prepared.captured_sizes == (1, 2, 4, 8) and calls == [3]
     assert "warmed up in 12.0 s" in text and "4 decode batch sizes (1, 2, 4, 8)" in text
     stream = io.StringIO()
-    prepare._prepare_code(None, {"compile": False}, "cuda", PhaseProgress(stream=stream, styled=False))
+    prepare._prepare_code(None, _plan(compile=False), "cuda", PhaseProgress(stream=stream, styled=False))
     assert "Compile forward. [SKIP] --no-compile: eager layers, warmed up in 12.0 s" in stream.getvalue()
+
+
+def _plan(**fields) -> Plan:
+    """A plan for the stand-in GPU preparation; `fields` override its values."""
+    values = dict(dtype="float32", page_size=16, prefill_chunk=64, compile=True, max_concurrency=4,
+                  decode_capacities=(1, 2, 4), max_model_len=512, memory_reserve_bytes=0, tensor_parallel=1)
+    return Plan(**{**values, **fields})
 
 
 def _fake_triton_cache(root, kernels: dict) -> bytes:
@@ -157,8 +165,7 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
         seen.update(prompt_tokens=prompt_tokens, stats=core.stats(check_integrity=True))
 
     monkeypatch.setattr(compile_cache, "warm_up", observed)
-    plan = {"dtype": "float32", "page_size": 16, "prefill_chunk": 64, "max_concurrency": 4,
-            "decode_capacities": [1, 2, 4]}
+    plan = _plan(dtype="float32", page_size=16, prefill_chunk=64, max_concurrency=4, decode_capacities=(1, 2, 4))
     prepared = compile_cache.prepare_compiled(stories260k, plan, device="cpu")
     assert prepared.artifacts is None and prepared.captured_sizes == ()
     assert seen["prompt_tokens"] == 64 + 32 + 1
@@ -199,10 +206,10 @@ def test_no_compile_is_recorded_in_the_package_and_followed_when_serving(export,
     from flare.server.package_model import load_package_model
 
     entry = export(compile=False)
-    assert open_package(entry, approved).plan["compile"] is False
+    assert open_package(entry, approved).plan.compile is False
     loaded = load_package_model(str(entry), EngineConfig(max_model_len=256, num_pages=64), "cpu", "float32")
     assert loaded.compile_layers is False
-    assert open_package(export(), approved).plan["compile"] is True
+    assert open_package(export(), approved).plan.compile is True
 
 
 def test_compile_workers_must_be_positive(export):

@@ -37,7 +37,7 @@ def test_packed_and_directory_round_trip_and_load(export, approved, tmp_path):
         assert package.frontend_assets == original.frontend_assets
     assert open_package(packed, approved).form == "packed"
     for record in original.payloads:
-        assert (directory / record["name"]).read_bytes() == (entry / record["name"]).read_bytes()
+        assert (directory / record.name).read_bytes() == (entry / record.name).read_bytes()
 
 
 def test_directory_on_the_same_filesystem_shares_inodes(export, tmp_path):

@@ -81,7 +81,7 @@ def test_download_installs_a_verified_selected_entry_and_prints_only_its_path(
         assert package.label == f"stories260k@{entry.name}"
         assert len(list(package.iter_weights())) == 47
         for record in package.payloads:                   # payloads are hard links to content-addressed blobs
-            assert os.stat(entry / record["name"]).st_ino == os.stat(cache.blob_path(record["sha256"])).st_ino
+            assert os.stat(entry / record.name).st_ino == os.stat(cache.blob_path(record.sha256)).st_ino
     [record] = SourceRecords(cache).records(REPO)
     assert (record.commit, record.filename, record.requested_revision) == (commit, "model.safetensors", "main")
     assert record.envelope_sha256 == sha256_file(entry / fmt.PRIMARY_NAME)

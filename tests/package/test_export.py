@@ -53,7 +53,7 @@ def test_weights_keep_checkpoint_names_and_values(export, approved, stories260k)
 def test_weights_cast_to_the_serving_dtype(export, approved):
     package = open_package(export(dtype="bfloat16"), approved)
     assert {tensor.dtype for _, tensor in package.iter_weights()} == {torch.bfloat16}
-    assert package.plan["dtype"] == "bfloat16"
+    assert package.plan.dtype == "bfloat16"
 
 
 def test_frontend_assets_materialise_for_the_tokenizer(export, approved, stories260k):

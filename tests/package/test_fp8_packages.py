@@ -47,10 +47,10 @@ def test_an_fp8_checkpoint_serves_the_tokens_of_its_dequantized_weights(stories2
     entry = export_checkpoint(fp8, cache_root)
 
     with open_package(entry, approved) as package:
-        record = next(r for r in package.weight_payloads() if r["name"] == "weights/layer-000.safetensors")
-        location = package.files.locate(record["name"], record["size"])
+        record = next(r for r in package.weight_payloads() if r.name == "weights/layer-000.safetensors")
+        location = package.files.locate(record)
         with open(location.path, "rb") as handle:
-            stored = {e.name: e.dtype for e in st.read_header(handle, location.offset, record["size"], what="").tensors}
+            stored = {e.name: e.dtype for e in st.read_header(handle, location.offset, record.size, what="").tensors}
     assert stored["model.layers.0.mlp.gate_proj.weight"] == "F8_E4M3"
     assert stored[scale] == "F32"                                   # BF16 in the checkpoint, float32 kept
 

@@ -1,5 +1,6 @@
 """The license a package records comes from the checkpoint's model card, as the hub spells it."""
 
+from flare.package.manifest import License
 from flare.prepare import CheckpointSource, _license
 
 
@@ -10,13 +11,13 @@ def write_card(directory, front_matter: str):
 
 def test_a_named_license_links_to_the_model_card_at_its_revision(tmp_path):
     license = _license(write_card(tmp_path, "license: apache-2.0\n"))
-    assert license == {"name": "apache-2.0", "link": "https://huggingface.co/Org/Model/blob/abc123/README.md"}
+    assert license == License(name="apache-2.0", link="https://huggingface.co/Org/Model/blob/abc123/README.md")
 
 
 def test_license_other_uses_the_cards_license_name_and_link(tmp_path):
     card = "license: other\nlicense_name: psf-2.0\nlicense_link: https://docs.python.org/3/license.html\n"
-    assert _license(write_card(tmp_path, card)) == {"name": "psf-2.0",
-                                                    "link": "https://docs.python.org/3/license.html"}
+    assert _license(write_card(tmp_path, card)) == License(name="psf-2.0",
+                                                           link="https://docs.python.org/3/license.html")
 
 
 def test_a_card_without_a_license_records_none(tmp_path):

@@ -80,8 +80,8 @@ def test_sign_promotes_a_development_package(export, cache_root, tmp_path, monke
     options = TrustOptions(approve_key=identity.public_key.fingerprint, accept_publisher="example", offline=True,
                            publisher_keys=(tmp_path / "publisher.json",), verify_weights=True)
     package = open_package(promoted, options)
-    assert package.manifest["publisher"]["namespace"] == "example"
-    assert package.manifest["promoted_from"]["version"] == entry.name
+    assert package.manifest.publisher.namespace == "example"
+    assert package.manifest.promoted_from.version == entry.name
     for payload in (entry / "weights").iterdir():
         assert payload.stat().st_ino == (promoted / "weights" / payload.name).stat().st_ino
     with pytest.raises(UsageError, match="only development packages are promoted"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import struct
@@ -10,6 +11,8 @@ import pytest
 
 from flare.errors import PreparationError
 from flare.package import format as fmt
+from flare.package import safetensors_io as st
+from flare.package.manifest import canonical_text
 from flare.package.reader import open_package
 from flare.package.trust import SignatureError, TrustOptions
 from flare.package.verify import IntegrityError
@@ -109,15 +112,16 @@ def test_a_signed_manifest_cannot_name_a_path_outside_its_entry(export, approved
     from flare.package.signing import config_dir_for, development_identity
     entry = export()
     files = fmt.read_package_files(entry)
-    manifest = files.primary.manifest
+    manifest = json.loads(files.primary.manifest_body)
     manifest["payloads"][0]["name"] = "../../escaped.safetensors"
-    body = fmt.manifest_text(manifest)
+    body = canonical_text(manifest)
     identity = development_identity(config_dir_for(None))          # validly signed, still refused
     primary = entry / "model.safetensors"
     primary.chmod(0o644)
     primary.unlink()
-    fmt.write_primary(primary, fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(),
-                                           "directory"))
+    signature = base64.b64encode(identity.sign(body.encode())).decode()
+    st.write(primary, [], {fmt.KEY_FORMAT: "2", fmt.KEY_FORM: "directory", fmt.KEY_MANIFEST: body,
+                           fmt.KEY_SIGNATURE: signature, fmt.KEY_PROFILE: identity.profile.to_json()})
     with pytest.raises(PreparationError, match="not a plain relative path"):
         open_package(entry, approved)
     with pytest.raises(PreparationError, match="not a plain relative path"):

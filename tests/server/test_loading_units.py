@@ -196,6 +196,7 @@ def test_the_concurrency_export_accepts_also_serves_on_that_gpu(stories260k, mon
     from flare import memory, prepare
     from flare.errors import CapacityError
     from flare.package import weights as wt
+    from flare.package.manifest import Plan
     from flare.server import kv_sizing
 
     hf_config = json.loads((stories260k / "config.json").read_text())
@@ -206,8 +207,9 @@ def test_the_concurrency_export_accepts_also_serves_on_that_gpu(stories260k, mon
     weight_bytes = wt.serving_bytes(wt.checkpoint_tensor_files(stories260k), "float32")
 
     def exports(concurrency: int) -> bool:
-        plan = {"dtype": "float32", "page_size": 16, "prefill_chunk": 256, "max_concurrency": concurrency,
-                "max_model_len": hf_config["max_position_embeddings"], "memory_reserve_bytes": 0}
+        plan = Plan(dtype="float32", page_size=16, prefill_chunk=256, compile=True, max_concurrency=concurrency,
+                    decode_capacities=(concurrency,), max_model_len=hf_config["max_position_embeddings"],
+                    memory_reserve_bytes=0, tensor_parallel=1)
         try:
             prepare._fit_memory(stories260k, hf_config, plan, recipe, None, "cuda")
         except CapacityError:

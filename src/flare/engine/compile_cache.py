@@ -26,6 +26,10 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flare.package.manifest import Plan
 
 KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention", "flare.kernels.gemv")
 
@@ -168,7 +172,7 @@ class PreparedCode:
     seconds: float
 
 
-def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda",
+def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
                      compile_workers: int | None = None) -> PreparedCode:
     """Load the checkpoint onto the GPU, compile it (unless the plan says `compile: False`), capture the
     plan's decode catalog, run a warm-up request, and keep what was compiled. `compile_workers` bounds
@@ -183,21 +187,21 @@ def prepare_compiled(checkpoint_dir, plan: dict, device: str = "cuda",
     from flare.engine.factory import build_core, load_checkpoint_model
 
     started = time.perf_counter()
-    chunk = plan["prefill_chunk"]
+    chunk = plan.prefill_chunk
     prompt_tokens = chunk + chunk // 2 + 1               # a full chunk, then a remainder of another size
     max_model_len = prompt_tokens + 2
-    pages = -(-max_model_len // plan["page_size"]) + -(-(WARM_UP_SHORT_PROMPT + 2) // plan["page_size"])
-    config = EngineConfig(max_concurrency=plan["max_concurrency"], page_size=plan["page_size"],
+    pages = -(-max_model_len // plan.page_size) + -(-(WARM_UP_SHORT_PROMPT + 2) // plan.page_size)
+    config = EngineConfig(max_concurrency=plan.max_concurrency, page_size=plan.page_size,
                           num_pages=pages, prefill_chunk=chunk,
-                          max_num_batched_tokens=max(chunk, plan["max_concurrency"]),
+                          max_num_batched_tokens=max(chunk, plan.max_concurrency),
                           max_model_len=max_model_len, enable_prefix_caching=False,
-                          decode_graph_sizes=tuple(plan["decode_capacities"]))
+                          decode_graph_sizes=plan.decode_capacities)
     if compile_workers is not None:
         import torch._inductor.config as inductor
 
         inductor.compile_threads = compile_workers
-    loaded = load_checkpoint_model(checkpoint_dir, config, device, plan["dtype"])
-    loaded = replace(loaded, compile_layers=plan.get("compile", True))
+    loaded = load_checkpoint_model(checkpoint_dir, config, device, plan.dtype)
+    loaded = replace(loaded, compile_layers=plan.compile)
     core = build_core(loaded)
     graphs = core.runner.graphs
     sizes = graphs.sizes if graphs is not None else ()

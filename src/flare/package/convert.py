@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Sequence
 
 from flare.errors import UsageError
 from flare.package import format as fmt
+from flare.package.manifest import PayloadRecord
 from flare.package.store import copy_range, sha256_file, try_hard_link
 from flare.package.trust import TrustOptions, verify_signature
 from flare.package.verify import IntegrityError, check_layout, copy_payload
@@ -33,15 +35,15 @@ def convert(source: Path, output: Path, form: str = "directory", trust: TrustOpt
     manifest = files.primary.manifest
     verify_signature(files.primary.manifest_body, files.primary.signature, manifest, files.primary.profile_json,
                      trust or TrustOptions(require_acceptance=False), str(files.primary_path))
-    check_layout(files, manifest["payloads"])
+    check_layout(files, manifest.payloads)
     temporary = output.with_name(f".{output.name}.partial")
     if temporary.exists():
         shutil.rmtree(temporary) if temporary.is_dir() else temporary.unlink()
     try:
         if form == "directory":
-            _write_directory(files, manifest["payloads"], temporary)
+            _write_directory(files, manifest.payloads, temporary)
         else:
-            _write_packed(files, manifest["payloads"], temporary)
+            _write_packed(files, manifest.payloads, temporary)
         os.rename(temporary, output)
     except BaseException:
         if temporary.is_dir():
@@ -52,19 +54,19 @@ def convert(source: Path, output: Path, form: str = "directory", trust: TrustOpt
     return output
 
 
-def _write_directory(files: fmt.PackageFiles, payloads: list[dict], destination: Path) -> None:
+def _write_directory(files: fmt.PackageFiles, payloads: Sequence[PayloadRecord], destination: Path) -> None:
     destination.mkdir()
     fmt.write_primary(destination / fmt.PRIMARY_NAME, files.primary)
     for record in payloads:
-        target = destination / record["name"]
+        target = destination / record.name
         target.parent.mkdir(parents=True, exist_ok=True)
-        location = files.locate(record["name"], record["size"])
+        location = files.locate(record)
         if files.form == "directory" and try_hard_link(location.path, target):
             continue
         copy_payload(files, record, target, "conversion stopped")
 
 
-def _write_packed(files: fmt.PackageFiles, payloads: list[dict], destination: Path) -> None:
+def _write_packed(files: fmt.PackageFiles, payloads: Sequence[PayloadRecord], destination: Path) -> None:
     """One safetensors file: the primary's metadata, then each payload as a 64-byte aligned U8 tensor."""
     entries, chunks = _packed_layout(payloads)
     header = _packed_header(files.primary.metadata("packed"), entries)
@@ -75,25 +77,25 @@ def _write_packed(files: fmt.PackageFiles, payloads: list[dict], destination: Pa
                 sink.write(b"\0" * value)
                 continue
             record = value
-            location = files.locate(record["name"], record["size"])
+            location = files.locate(record)
             start = sink.tell()
-            copy_range(location.path, location.offset, record["size"], sink)
-            if sink.tell() - start != record["size"]:
-                raise IntegrityError(f"payload {record['name']} is truncated; conversion stopped")
+            copy_range(location.path, location.offset, record.size, sink)
+            if sink.tell() - start != record.size:
+                raise IntegrityError(f"payload {record.name} is truncated; conversion stopped")
     written = fmt.read_package_files(destination).packed_locations
     for record in payloads:                              # hash what was written, not what was read
-        digest = sha256_file(destination, written[record["name"]].offset, record["size"])
-        if digest != record["sha256"]:
-            raise IntegrityError(f"payload {record['name']} differs from the signed manifest; conversion stopped")
+        digest = sha256_file(destination, written[record.name].offset, record.size)
+        if digest != record.sha256:
+            raise IntegrityError(f"payload {record.name} differs from the signed manifest; conversion stopped")
 
 
-def _packed_layout(payloads: list[dict]):
+def _packed_layout(payloads: Sequence[PayloadRecord]):
     """Tensor entries (name, start, end) and the write plan, with padding so payloads start aligned."""
     entries, chunks, offset = [], [], 0
     for index, record in enumerate(payloads):
-        entries.append((fmt.PACKED_PREFIX + record["name"], offset, offset + record["size"]))
+        entries.append((fmt.PACKED_PREFIX + record.name, offset, offset + record.size))
         chunks.append(("payload", record))
-        offset += record["size"]
+        offset += record.size
         pad = -offset % fmt.PACKED_ALIGNMENT
         if pad:
             entries.append((f"{fmt.PADDING_PREFIX}{index}", offset, offset + pad))

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from flare.errors import FetchError, FlareError, PreparationError, UsageError
 from flare.package import format as fmt
+from flare.package.manifest import Manifest, PayloadRecord
 from flare.package.sources import SourceRecord, SourceRecords, envelope_sha256
 from flare.package.store import EntryId, ModelCache, copy_range, model_key_for, sha256_file, try_hard_link
 
@@ -43,8 +44,6 @@ TRANSPORT_DIR = "transport"
 REPOSITORY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 _BLOB_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
 _DATA_COMPANION = re.compile(r".*-data-\d+-of-\d+\.safetensors")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Directories and files that hold an exported package's payloads, never a primary.
 _COMPANION_DIRS = ("weights", "deployments")
 _COMPANION_FILES = (fmt.FRONTEND_PAYLOAD,)
@@ -352,7 +351,7 @@ def _install(repo_id: str, commit: str, options: DownloadOptions, hub_options: H
         manifest = _verify_envelope(package, f"{remote.where}: {remote.primary}")
         _check_model(manifest, expected_model_key, repo_id)
         _check_tensor_parallel(manifest, options.tensor_parallel, remote.where)
-        entry = EntryId(manifest["model_key"], manifest["version"])
+        entry = EntryId(manifest.model_key, manifest.version)
         tree = staging / "entry"
         tree.mkdir()
         if package.form == "packed":
@@ -363,10 +362,10 @@ def _install(repo_id: str, commit: str, options: DownloadOptions, hub_options: H
         if _is_cached(cache, entry, envelope):
             _say(stream, f"{remote.where}: already cached as {entry}; nothing more to transfer")
             return _Installed(entry, remote.primary, envelope)
-        received_payloads = [record for record in manifest["payloads"]
+        received_payloads = [record for record in manifest.payloads
                              if _receive_payload(record, package, remote, cache, tree, stream)]
         for record in received_payloads:               # only once every payload matched its signed hash
-            cache.store_payload(tree / record["name"], record["sha256"])
+            cache.store_payload(tree / record.name, record.sha256)
         _publish(cache, tree, entry, envelope)
     _say(stream, f"{remote.where}: installed {entry}")
     return _Installed(entry, remote.primary, envelope)
@@ -384,44 +383,44 @@ def _is_cached(cache: ModelCache, entry: EntryId, envelope: str) -> bool:
     return True
 
 
-def _receive_payload(record: dict, package: fmt.PackageFiles, remote: _Remote, cache: ModelCache, tree: Path,
-                     stream: TextIO) -> bool:
+def _receive_payload(record: PayloadRecord, package: fmt.PackageFiles, remote: _Remote, cache: ModelCache,
+                     tree: Path, stream: TextIO) -> bool:
     """Put one payload into the entry tree: linked from an identical cached blob (False), or received from
     the packed primary or the hub and checked against its signed hash (True: it still goes into blobs/)."""
-    target = tree / record["name"]
+    target = tree / record.name
     target.parent.mkdir(parents=True, exist_ok=True)
-    if cache.has_blob(record["sha256"]):
-        _check_cached_blob(cache.blob_path(record["sha256"]), record)
-        cache.link_blob(record["sha256"], target)      # the same bytes are cached already: no transfer
+    if cache.has_blob(record.sha256):
+        _check_cached_blob(cache.blob_path(record.sha256), record)
+        cache.link_blob(record.sha256, target)         # the same bytes are cached already: no transfer
         return False
-    companion = remote.companion(record["name"])
+    companion = remote.companion(record.name)
     if package.form == "packed":
-        location = package.locate(record["name"], record["size"])
+        location = package.locate(record)
         with open(target, "wb") as sink:
-            copy_range(location.path, location.offset, record["size"], sink)
+            copy_range(location.path, location.offset, record.size, sink)
     else:
         if companion not in remote.files:
             raise FetchError(f"{remote.where} lacks {companion}, which the signed manifest of its package names; "
                              "the repository's upload is incomplete")
-        if remote.files[companion] != record["size"]:
+        if remote.files[companion] != record.size:
             raise FetchError(f"{remote.where}: {companion} is {remote.files[companion]} bytes, the signed manifest "
-                             f"records {record['size']}; the repository does not hold the package it signed")
-        _say(stream, f"{remote.where}: downloading {companion} ({_size(record['size'])})")
+                             f"records {record.size}; the repository does not hold the package it signed")
+        _say(stream, f"{remote.where}: downloading {companion} ({_size(record.size)})")
         _place(remote.download(companion), target)
     digest = sha256_file(target)
-    if target.stat().st_size != record["size"] or digest != record["sha256"]:
+    if target.stat().st_size != record.size or digest != record.sha256:
         raise FetchError(f"{remote.where}: {companion} differs from the signed manifest (SHA-256 {digest}, "
-                         f"signed {record['sha256']}); nothing was installed")
+                         f"signed {record.sha256}); nothing was installed")
     return True
 
 
-def _check_cached_blob(blob: Path, record: dict) -> None:
+def _check_cached_blob(blob: Path, record: PayloadRecord) -> None:
     """A cached payload object must be a regular file of the signed size (its bytes are hashed when served)."""
     info = blob.lstat()
-    if not stat.S_ISREG(info.st_mode) or info.st_size != record["size"]:
+    if not stat.S_ISREG(info.st_mode) or info.st_size != record.size:
         what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes"
-        raise PreparationError(f"the cached payload object {blob} is {what}, but payload {record['name']} is "
-                               f"{record['size']} bytes; remove that file and run `flare models gc`, then "
+        raise PreparationError(f"the cached payload object {blob} is {what}, but payload {record.name} is "
+                               f"{record.size} bytes; remove that file and run `flare models gc`, then "
                                "download again")
 
 
@@ -513,8 +512,9 @@ def _read_package(path: Path, where: str) -> fmt.PackageFiles:
         raise FetchError(f"{where} is not a usable Flare package: {error}") from None
 
 
-def _verify_envelope(package: fmt.PackageFiles, where: str) -> dict:
-    """Check the signature (with the embedded profile or a known key) and that every name is safe to use.
+def _verify_envelope(package: fmt.PackageFiles, where: str) -> Manifest:
+    """Check the signature (with the embedded profile or a known key). Every name in the manifest is safe
+    to use as a cache path: its schema refused it when it was read otherwise.
 
     Signature only: whether this publisher may run code is decided by `flare run`.
     """
@@ -522,7 +522,6 @@ def _verify_envelope(package: fmt.PackageFiles, where: str) -> dict:
 
     manifest = package.primary.manifest
     try:
-        _check_manifest_names(manifest, where)
         verify_signature(package.primary.manifest_body, package.primary.signature, manifest,
                          package.primary.profile_json, TrustOptions(offline=True, require_acceptance=False), where)
     except PreparationError as error:
@@ -530,26 +529,7 @@ def _verify_envelope(package: fmt.PackageFiles, where: str) -> dict:
     return manifest
 
 
-def _check_manifest_names(manifest: dict, where: str) -> None:
-    """The names that become cache paths: the model key, the version and every payload name."""
-    def refuse(what: str) -> PreparationError:
-        return PreparationError(f"{where}: the signed manifest has {what}")
-
-    model_key, version = manifest.get("model_key"), manifest.get("version")
-    if not isinstance(manifest.get("model_id"), str) or model_key != _model_key_or_none(manifest["model_id"]):
-        raise refuse(f"model key {model_key!r}, which does not match its model id")
-    if not isinstance(version, str) or not _VERSION.fullmatch(version):
-        raise refuse(f"an unusable version {version!r}")
-    for record in manifest.get("payloads") or []:
-        name = record.get("name")
-        parts = name.split("/") if isinstance(name, str) else [""]
-        if (any(part in ("", ".", "..") for part in parts) or "\\" in name or name == fmt.PRIMARY_NAME
-                or not isinstance(record.get("sha256"), str) or not _SHA256.fullmatch(record["sha256"])
-                or not isinstance(record.get("size"), int) or record["size"] < 0):
-            raise refuse(f"an unusable payload record {record!r}")
-
-
-def _verify_entry(entry_dir: Path, hash_payloads: bool) -> dict:
+def _verify_entry(entry_dir: Path, hash_payloads: bool) -> Manifest:
     """A cached entry's signature and payload layout (and, when asked, every payload's hash)."""
     from flare.package import verify
     from flare.package.trust import TrustOptions, verify_signature
@@ -558,20 +538,20 @@ def _verify_entry(entry_dir: Path, hash_payloads: bool) -> dict:
     manifest = package.primary.manifest
     verify_signature(package.primary.manifest_body, package.primary.signature, manifest, package.primary.profile_json,
                      TrustOptions(offline=True, require_acceptance=False), str(package.primary_path))
-    verify.check_layout(package, manifest["payloads"])
+    verify.check_layout(package, manifest.payloads)
     if hash_payloads:
-        verify.verify_payloads(package, manifest["payloads"])
+        verify.verify_payloads(package, manifest.payloads)
     return manifest
 
 
-def _check_model(manifest: dict, expected_model_key: str | None, repository: str) -> None:
-    if expected_model_key is not None and manifest["model_key"] != expected_model_key:
-        raise UsageError(f"{repository} now holds {manifest['model_id']}, not {expected_model_key}; the update "
+def _check_model(manifest: Manifest, expected_model_key: str | None, repository: str) -> None:
+    if expected_model_key is not None and manifest.model_key != expected_model_key:
+        raise UsageError(f"{repository} now holds {manifest.model_id}, not {expected_model_key}; the update "
                          "is rejected and the default is unchanged")
 
 
-def _check_tensor_parallel(manifest: dict, tensor_parallel: int | None, where: str) -> None:
-    sizes = sorted({deployment["tensor_parallel"] for deployment in manifest.get("deployments") or []})
+def _check_tensor_parallel(manifest: Manifest, tensor_parallel: int | None, where: str) -> None:
+    sizes = sorted({deployment.tensor_parallel for deployment in manifest.deployments})
     if tensor_parallel is not None and tensor_parallel not in sizes:
         raise UsageError(f"{where} is prepared for tensor-parallel size {', '.join(map(str, sizes)) or 'none'}; "
                          f"--gpus names {tensor_parallel} GPUs")

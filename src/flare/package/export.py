@@ -19,6 +19,8 @@ from flare.errors import PreparationError, UsageError
 from flare.package import format as fmt
 from flare.package import safetensors_io as st
 from flare.package import weights as wt
+from flare.package.manifest import (Checkpoint, Deployment, Frontend, GraphCatalog, License, Manifest,
+                                    PayloadRecord, Plan, Preparation, Publisher, Rank, Recipe, Sampling)
 from flare.package.signing import SigningIdentity
 from flare.package.store import EntryId, ModelCache, model_key_for
 
@@ -34,17 +36,16 @@ class ExportSpec:
     served_names: tuple[str, ...]
     checkpoint_dir: Path
     hf_config: dict
-    plan: dict                                     # dtype, page_size, prefill_chunk, capacities, ...
+    plan: Plan                                     # dtype, page size, prefill chunk, capacities, tensor parallel
+    preparation: Preparation                       # device and phase record
+    graphs: GraphCatalog                           # the captured graph catalog (empty on CPU)
     recipe_name: str | None = None
     recipe_alias: str | None = None
     checkpoint_repo: str | None = None
     checkpoint_revision: str | None = None
     repository: str | None = None                  # Hugging Face target of the package (--repo-id)
-    sampling: dict = field(default_factory=lambda: {"defaults": {}, "ranges": {}})
-    license: dict | None = None
-    preparation: dict = field(default_factory=dict)  # device and phase record
-    graphs: dict = field(default_factory=dict)       # the captured graph catalog (empty on CPU)
-    tensor_parallel: int = 1
+    sampling: Sampling = field(default_factory=lambda: Sampling({}, {}))
+    license: License | None = None
     compiled: "object | None" = None                 # flare.engine.compile_cache.CompiledArtifacts (GPU only)
 
 
@@ -85,14 +86,15 @@ def _export_staged(spec: ExportSpec, cache: ModelCache, identity: SigningIdentit
         else:
             payloads += _write_weights(spec, cache, tree, weight_mode == "no-weights", hooks)
         payloads.append(_store(cache, tree, fmt.FRONTEND_PAYLOAD, "frontend", _frontend_tensors(spec), hooks))
-        deployment = f"tp{spec.tensor_parallel}"
+        tensor_parallel = spec.plan.tensor_parallel
+        deployment = f"tp{tensor_parallel}"
         ranks = []
-        for rank in range(spec.tensor_parallel):
+        for rank in range(tensor_parallel):
             name = f"deployments/{deployment}/rank-{rank}/graphs.safetensors"
             tensors, metadata = _module_global(spec)
             payloads.append(_store(cache, tree, name, "module-global", tensors, hooks, metadata=metadata))
-            ranks.append({"rank": rank, "payloads": [name]})
-        deployments = [{"name": deployment, "tensor_parallel": spec.tensor_parallel, "ranks": ranks}]
+            ranks.append(Rank(rank, (name,)))
+        deployments = (Deployment(deployment, tensor_parallel, tuple(ranks)),)
 
         def sign_as(version: str) -> None:               # the version is part of the signed manifest
             manifest = _manifest(spec, EntryId(model_key, version), identity, payloads, deployments)
@@ -101,15 +103,15 @@ def _export_staged(spec: ExportSpec, cache: ModelCache, identity: SigningIdentit
         return cache.publish_new_version(tree, model_key, sign_as, select=select)
 
 
-def write_signed_primary(tree: Path, manifest: dict, identity: SigningIdentity) -> None:
-    body = fmt.manifest_text(manifest)
+def write_signed_primary(tree: Path, manifest: Manifest, identity: SigningIdentity) -> None:
+    body = manifest.to_json()
     primary = fmt.Primary(body, identity.sign(body.encode()), identity.profile.to_json(), "directory")
     fmt.write_primary(tree / fmt.PRIMARY_NAME, primary)
 
 
 
 def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cached: bool,
-                   hooks: ExportHooks) -> list[dict]:
+                   hooks: ExportHooks) -> list[PayloadRecord]:
     """Each layer's payload read, cast, hashed and written by a few workers at once (each step releases
     the GIL: the cast in torch, the hash, the write), then stored and reported in checkpoint order."""
     files = wt.checkpoint_tensor_files(spec.checkpoint_dir)
@@ -119,7 +121,7 @@ def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cach
         payload, names = group
         path = tree / payload
         path.parent.mkdir(parents=True, exist_ok=True)
-        return st.write(path, wt.read_checkpoint_group(names, files, spec.plan["dtype"]))
+        return st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype))
 
     records = []
     with ThreadPoolExecutor(max_workers=WRITE_WORKERS, thread_name_prefix="flare-export") as workers:
@@ -128,37 +130,38 @@ def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cach
     return records
 
 
-def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source, hooks: ExportHooks) -> list[dict]:
+def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source,
+                   hooks: ExportHooks) -> list[PayloadRecord]:
     """Link the weight payloads of the model's verified default version, after checking they fit."""
     if source is None:
         raise PreparationError(f"--reuse-weights needs a cached default version of {spec.model_id}; "
                                "run a normal export first")
     old = source.manifest
     mismatches = [what for what, ours, theirs in (
-        ("recipe", spec.recipe_name, old["recipe"]["name"]),
-        ("checkpoint revision", spec.checkpoint_revision, old["checkpoint"]["revision"]),
-        ("dtype", spec.plan["dtype"], old["plan"]["dtype"]),
-        ("tensor-parallel size", spec.tensor_parallel, old["plan"]["tensor_parallel"]),
-        ("checkpoint config", spec.hf_config, old["checkpoint"]["config"])) if ours != theirs]
+        ("recipe", spec.recipe_name, old.recipe.name),
+        ("checkpoint revision", spec.checkpoint_revision, old.checkpoint.revision),
+        ("dtype", spec.plan.dtype, old.plan.dtype),
+        ("tensor-parallel size", spec.plan.tensor_parallel, old.plan.tensor_parallel),
+        ("checkpoint config", spec.hf_config, old.checkpoint.config)) if ours != theirs]
     expected = set(wt.group_by_payload(wt.checkpoint_tensor_files(spec.checkpoint_dir)))
-    reused = [record for record in old["payloads"] if record["kind"] == "weights"]
-    if {record["name"] for record in reused} != expected:
+    reused = old.weight_payloads()
+    if {record.name for record in reused} != expected:
         mismatches.append("weight payload layout")
     if mismatches:
         raise PreparationError(f"--reuse-weights: the cached default version {source.label} differs in "
                                f"{', '.join(mismatches)}; export without --reuse-weights")
     for record in reused:
-        if not cache.has_blob(record["sha256"]):
-            raise PreparationError(f"--reuse-weights: payload {record['name']} ({record['sha256'][:12]}…) is "
+        if not cache.has_blob(record.sha256):
+            raise PreparationError(f"--reuse-weights: payload {record.name} ({record.sha256[:12]}…) is "
                                    "missing from the cache; export without --reuse-weights")
-        cache.link_blob(record["sha256"], tree / record["name"])
+        cache.link_blob(record.sha256, tree / record.name)
         if hooks.on_payload:
-            hooks.on_payload(record["name"], record["size"], True)
-    return [dict(record) for record in reused]
+            hooks.on_payload(record.name, record.size, True)
+    return list(reused)
 
 
 def _store(cache: ModelCache, tree: Path, name: str, kind: str, tensors, hooks: ExportHooks,
-           metadata: dict | None = None, require_cached: bool = False) -> dict:
+           metadata: dict | None = None, require_cached: bool = False) -> PayloadRecord:
     path = tree / name
     path.parent.mkdir(parents=True, exist_ok=True)
     sha256, size = st.write(path, tensors, metadata)
@@ -166,7 +169,7 @@ def _store(cache: ModelCache, tree: Path, name: str, kind: str, tensors, hooks: 
 
 
 def _register(cache: ModelCache, tree: Path, name: str, kind: str, sha256: str, size: int, hooks: ExportHooks,
-              require_cached: bool = False) -> dict:
+              require_cached: bool = False) -> PayloadRecord:
     """Link a written payload to its blob and report it; its manifest record."""
     path = tree / name
     if require_cached and not cache.has_blob(sha256):
@@ -175,12 +178,12 @@ def _register(cache: ModelCache, tree: Path, name: str, kind: str, sha256: str, 
     reused = cache.store_payload(path, sha256)
     if hooks.on_payload:
         hooks.on_payload(name, size, reused)
-    return {"name": name, "kind": kind, "sha256": sha256, "size": size}
+    return PayloadRecord(name, kind, sha256, size)
 
 
 def _module_global(spec: ExportSpec) -> tuple[list[st.TensorBytes], dict[str, str]]:
     """A rank's module-global payload: the graph catalog, and the compiled kernels when prepared on a GPU."""
-    metadata = {fmt.GRAPH_CATALOG_METADATA: json.dumps(spec.graphs, sort_keys=True)}
+    metadata = {fmt.GRAPH_CATALOG_METADATA: spec.graphs.to_json()}
     if spec.compiled is None:
         return [], metadata
     metadata[fmt.COMPILE_KEY_METADATA] = json.dumps(spec.compiled.key, sort_keys=True)
@@ -199,26 +202,22 @@ def _frontend_tensors(spec: ExportSpec) -> list[st.TensorBytes]:
     return tensors
 
 
-def _manifest(spec: ExportSpec, entry: EntryId, identity: SigningIdentity, payloads: list[dict],
-              deployments: list[dict]) -> dict:
-    return {
-        "format_version": fmt.FORMAT_VERSION,
-        "model_key": entry.model_key,
-        "version": entry.version,
-        "model_id": spec.model_id,
-        "served_names": list(spec.served_names),
-        "recipe": {"name": spec.recipe_name, "alias": spec.recipe_alias},
-        "checkpoint": {"repo_id": spec.checkpoint_repo, "revision": spec.checkpoint_revision,
-                       "config": spec.hf_config},
-        "repository": spec.repository,
-        "plan": dict(spec.plan, tensor_parallel=spec.tensor_parallel),
-        "sampling": spec.sampling,
-        "license": spec.license,
-        "publisher": {"namespace": identity.namespace, "official_source": identity.official_source,
-                      "key_fingerprint": identity.public_key.fingerprint},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "preparation": spec.preparation,
-        "frontend": {"payload": fmt.FRONTEND_PAYLOAD, "assets": fmt.frontend_asset_names(spec.checkpoint_dir)},
-        "deployments": deployments,
-        "payloads": payloads,
-    }
+def _manifest(spec: ExportSpec, entry: EntryId, identity: SigningIdentity, payloads: list[PayloadRecord],
+              deployments: tuple[Deployment, ...]) -> Manifest:
+    return Manifest(
+        format_version=fmt.FORMAT_VERSION, model_key=entry.model_key, version=entry.version,
+        model_id=spec.model_id, served_names=tuple(spec.served_names),
+        recipe=Recipe(spec.recipe_name, spec.recipe_alias),
+        checkpoint=Checkpoint(spec.checkpoint_repo, spec.checkpoint_revision, spec.hf_config),
+        repository=spec.repository, plan=spec.plan, sampling=spec.sampling, license=spec.license,
+        publisher=publisher_record(identity), created=utc_now(), preparation=spec.preparation,
+        frontend=Frontend(fmt.FRONTEND_PAYLOAD, tuple(fmt.frontend_asset_names(spec.checkpoint_dir))),
+        deployments=deployments, payloads=tuple(payloads))
+
+
+def publisher_record(identity: SigningIdentity) -> Publisher:
+    return Publisher(identity.namespace, identity.official_source, identity.public_key.fingerprint)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

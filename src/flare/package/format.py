@@ -14,16 +14,13 @@ bind every payload's bytes.
 from __future__ import annotations
 
 import base64
-import json
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flare.errors import PreparationError
 from flare.package import safetensors_io as st
+from flare.package.manifest import FORMAT_VERSION, PRIMARY_NAME, Manifest, ManifestError, PayloadRecord
 
-FORMAT_VERSION = 2
-PRIMARY_NAME = "model.safetensors"
 FRONTEND_PAYLOAD = "frontend.safetensors"
 # A rank's module-global payload (deployments/<name>/rank-<n>/graphs.safetensors) holds the graph catalog
 # as metadata and, when prepared on a GPU, torch.compile's cache artifacts as one byte tensor with the
@@ -42,32 +39,25 @@ KEY_SIGNATURE = "flare.signature"
 KEY_PROFILE = "flare.publisher_profile"
 KEY_FORM = "flare.form"
 
-# Payload names are relative paths of plain segments: a manifest can never point outside its entry.
-_PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
-
 # Assets the tokenizer and chat template need at serving time, copied from the checkpoint.
 FRONTEND_ASSET_NAMES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
                         "special_tokens_map.json", "chat_template.json", "tokenizer.model")
 FRONTEND_ASSET_SUFFIXES = (".jinja",)
 
 
-def manifest_text(manifest: dict) -> str:
-    """The canonical text of a manifest: the exact bytes that are signed."""
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
 @dataclass(frozen=True)
 class Primary:
-    """What a primary's metadata holds. `manifest_body` is the signed text, kept byte for byte."""
+    """What a primary's metadata holds. `manifest_body` is the signed text, kept byte for byte;
+    `manifest` is that text decoded (a malformed one is refused when the Primary is made)."""
 
     manifest_body: str
     signature: bytes
     profile_json: str                 # the embedded public profile of the signer
     form: str                         # "directory" or "packed"
+    manifest: Manifest = field(init=False, repr=False, compare=False)
 
-    @property
-    def manifest(self) -> dict:
-        return json.loads(self.manifest_body)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "manifest", Manifest.from_json(self.manifest_body))
 
     def metadata(self, form: str | None = None) -> dict[str, str]:
         return {KEY_FORMAT: str(FORMAT_VERSION), KEY_FORM: form or self.form, KEY_MANIFEST: self.manifest_body,
@@ -83,11 +73,13 @@ class Primary:
                                    f"{FORMAT_VERSION}; export it again with `ignition export`")
         try:
             signature = base64.b64decode(metadata.get(KEY_SIGNATURE, ""), validate=True)
-            json.loads(metadata[KEY_MANIFEST])
         except ValueError as error:
-            raise PreparationError(f"{where}: the signed manifest is corrupt ({error})") from None
-        return cls(metadata[KEY_MANIFEST], signature, metadata.get(KEY_PROFILE, ""),
-                   metadata.get(KEY_FORM, "directory"))
+            raise PreparationError(f"{where}: the signature is corrupt ({error})") from None
+        try:
+            return cls(metadata[KEY_MANIFEST], signature, metadata.get(KEY_PROFILE, ""),
+                       metadata.get(KEY_FORM, "directory"))
+        except ManifestError as error:
+            raise ManifestError(f"{where}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -108,19 +100,17 @@ class PackageFiles:
     form: str
     packed_locations: dict[str, PayloadLocation]
 
-    def locate(self, name: str, recorded_size: int) -> PayloadLocation:
-        check_payload_name(name, self.primary_path)
+    @property
+    def manifest(self) -> Manifest:
+        return self.primary.manifest
+
+    def locate(self, record: PayloadRecord) -> PayloadLocation:
+        """Where `record`'s bytes are (its name is a plain relative path: the manifest's schema says so)."""
         if self.form == "packed":
-            if name not in self.packed_locations:
-                raise PreparationError(f"payload {name} is missing from packed package {self.primary_path}")
-            return self.packed_locations[name]
-        return PayloadLocation(self.primary_path.parent / name, 0, recorded_size)
-
-
-def check_payload_name(name: str, where: Path) -> None:
-    if not _PAYLOAD_NAME.fullmatch(name) or ".." in name.split("/") or name == PRIMARY_NAME:
-        raise PreparationError(f"{where} names a payload {name!r} that is not a plain relative path; "
-                               "the package is malformed and cannot be used")
+            if record.name not in self.packed_locations:
+                raise PreparationError(f"payload {record.name} is missing from packed package {self.primary_path}")
+            return self.packed_locations[record.name]
+        return PayloadLocation(self.primary_path.parent / record.name, 0, record.size)
 
 
 def write_primary(path: Path, primary: Primary) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import msgspec
+
 from flare.errors import UsageError
+from flare.package.manifest import Deployment, Manifest, Rank
 from flare.package.reader import Package
 from flare.package.render import Section
 from flare.ui.progress import format_bytes
@@ -33,23 +36,23 @@ def build_report(package: Package, options: InspectOptions) -> dict:
     ranks = _select_ranks(deployment, options.rank)
     report: dict = {"verification": _verification(package), "model": _model(manifest),
                     "capacities": _capacities(manifest), "cache_history": ["paged_kv"], "speculation": None,
-                    "sampling": manifest["sampling"],
-                    "deployment": {"name": deployment["name"], "tensor_parallel": deployment["tensor_parallel"],
-                                   "rank_count": len(deployment["ranks"]),
+                    "sampling": msgspec.to_builtins(manifest.sampling),
+                    "deployment": {"name": deployment.name, "tensor_parallel": deployment.tensor_parallel,
+                                   "rank_count": len(deployment.ranks),
                                    "selected_tensor_parallel": options.tensor_parallel},
                     "ranks": [_rank_summary(package, rank) for rank in ranks]}
     if options.memory_map or options.all:
         report["memory_map"] = _memory_map(package, ranks)
     if options.graphs or options.all:
-        report["graphs"] = [{"rank": rank["rank"], "catalog": _catalog(package, rank),
+        report["graphs"] = [{"rank": rank.rank, "catalog": _catalog(package, rank),
                              "compiled": _compiled(package, rank)} for rank in ranks]
     if options.frontend or options.all:
         report["frontend"] = _frontend(package)
     if options.all:
         report["package"] = {"path": str(package.path), "form": package.form,
-                             "format_version": manifest["format_version"], "created": manifest.get("created"),
-                             "preparation": manifest.get("preparation")}
-        report["manifest"] = manifest
+                             "format_version": manifest.format_version, "created": manifest.created,
+                             "preparation": msgspec.to_builtins(manifest.preparation)}
+        report["manifest"] = manifest.to_builtins()
     return report
 
 
@@ -58,58 +61,58 @@ def to_json(report: dict) -> str:
 
 
 def _verification(package: Package) -> dict:
-    publisher = package.manifest["publisher"]
+    publisher = package.manifest.publisher
     trust = package.trust
     return {"mode": "verified" if trust else "unverified",
             "signature": "valid" if trust else None,
-            "publisher": publisher["namespace"], "official_source": publisher.get("official_source"),
-            "key_fingerprint": publisher["key_fingerprint"],
+            "publisher": publisher.namespace, "official_source": publisher.official_source,
+            "key_fingerprint": publisher.key_fingerprint,
             "key_source": trust.key_source if trust else None,
             "accepted": trust.accepted if trust else None,
             "identity": trust.identity if trust else None}
 
 
-def _model(manifest: dict) -> dict:
-    config = manifest["checkpoint"]["config"]
-    return {"model_id": manifest["model_id"], "served_names": manifest["served_names"],
-            "model_key": manifest["model_key"], "version": manifest["version"],
+def _model(manifest: Manifest) -> dict:
+    config = manifest.checkpoint.config
+    return {"model_id": manifest.model_id, "served_names": list(manifest.served_names),
+            "model_key": manifest.model_key, "version": manifest.version,
             "architecture": (config.get("architectures") or [None])[0],
-            "recipe": manifest["recipe"]["name"], "alias": manifest["recipe"]["alias"],
-            "checkpoint_repo": manifest["checkpoint"]["repo_id"],
-            "checkpoint_revision": manifest["checkpoint"]["revision"],
-            "repository": manifest.get("repository"), "license": manifest.get("license")}
+            "recipe": manifest.recipe.name, "alias": manifest.recipe.alias,
+            "checkpoint_repo": manifest.checkpoint.repo_id,
+            "checkpoint_revision": manifest.checkpoint.revision,
+            "repository": manifest.repository, "license": msgspec.to_builtins(manifest.license)}
 
 
-def _capacities(manifest: dict) -> dict:
-    plan = manifest["plan"]
-    return {"dtype": plan["dtype"], "max_model_len": plan["max_model_len"],
-            "max_concurrency": plan["max_concurrency"], "decode_capacities": plan["decode_capacities"],
-            "prefill_chunk": plan["prefill_chunk"], "page_size": plan["page_size"],
+def _capacities(manifest: Manifest) -> dict:
+    plan = manifest.plan
+    return {"dtype": plan.dtype, "max_model_len": plan.max_model_len,
+            "max_concurrency": plan.max_concurrency, "decode_capacities": list(plan.decode_capacities),
+            "prefill_chunk": plan.prefill_chunk, "page_size": plan.page_size,
             "kv_bytes_per_token": _kv_bytes_per_token(manifest),
-            "memory_reserve_bytes": plan["memory_reserve_bytes"]}
+            "memory_reserve_bytes": plan.memory_reserve_bytes}
 
 
-def _kv_bytes_per_token(manifest: dict) -> int | None:
-    config = manifest["checkpoint"]["config"]
+def _kv_bytes_per_token(manifest: Manifest) -> int | None:
+    config = manifest.checkpoint.config
     try:
         heads = config.get("num_key_value_heads") or config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         layers = config["num_hidden_layers"]
     except (KeyError, TypeError):
         return None
-    tp = manifest["plan"].get("tensor_parallel", 1)
-    return 2 * layers * max(1, heads // tp) * head_dim * DTYPE_BYTES.get(manifest["plan"]["dtype"], 2)
+    tp = manifest.plan.tensor_parallel
+    return 2 * layers * max(1, heads // tp) * head_dim * DTYPE_BYTES.get(manifest.plan.dtype, 2)
 
 
-def _select_deployment(manifest: dict, tensor_parallel: int | None) -> dict:
-    deployments = manifest["deployments"]
-    sizes = [d["tensor_parallel"] for d in deployments]
+def _select_deployment(manifest: Manifest, tensor_parallel: int | None) -> Deployment:
+    deployments = manifest.deployments
+    sizes = [d.tensor_parallel for d in deployments]
     if tensor_parallel is None:
         if len(deployments) != 1:
             raise UsageError(f"the package has deployments for tensor-parallel sizes {sizes}; "
                              "choose one with --tensor-parallel N")
         return deployments[0]
-    matches = [d for d in deployments if d["tensor_parallel"] == tensor_parallel]
+    matches = [d for d in deployments if d.tensor_parallel == tensor_parallel]
     if len(matches) != 1:
         problem = "is not in" if not matches else "appears more than once in"
         raise UsageError(f"--tensor-parallel {tensor_parallel} {problem} the package; available sizes: "
@@ -117,37 +120,36 @@ def _select_deployment(manifest: dict, tensor_parallel: int | None) -> dict:
     return matches[0]
 
 
-def _select_ranks(deployment: dict, rank: int | None) -> list[dict]:
+def _select_ranks(deployment: Deployment, rank: int | None) -> tuple[Rank, ...]:
     if rank is None:
-        return deployment["ranks"]
-    chosen = [r for r in deployment["ranks"] if r["rank"] == rank]
+        return deployment.ranks
+    chosen = tuple(r for r in deployment.ranks if r.rank == rank)
     if not chosen:
-        raise UsageError(f"--rank {rank}: the {deployment['name']} deployment has ranks "
-                         f"0 through {len(deployment['ranks']) - 1}")
+        raise UsageError(f"--rank {rank}: the {deployment.name} deployment has ranks "
+                         f"0 through {len(deployment.ranks) - 1}")
     return chosen
 
 
-def _rank_summary(package: Package, rank: dict) -> dict:
-    weights = [r for r in package.manifest["payloads"] if r["kind"] == "weights"]
+def _rank_summary(package: Package, rank: Rank) -> dict:
     catalog = _catalog(package, rank)
-    return {"rank": rank["rank"], "weight_bytes": sum(r["size"] for r in weights),
-            "fixed_bytes": sum(r["size"] for r in package.manifest["payloads"]),
+    return {"rank": rank.rank, "weight_bytes": sum(r.size for r in package.weight_payloads()),
+            "fixed_bytes": sum(r.size for r in package.payloads),
             "graph_count": len(catalog["captured"]) if catalog else None}
 
 
-def _catalog(package: Package, rank: dict) -> dict | None:
+def _catalog(package: Package, rank: Rank) -> dict | None:
     if package.trust is None:
         return None                                  # unverified: companion files are not opened
-    for name in rank["payloads"]:
+    for name in rank.payloads:
         if name in package.graph_catalogs:
-            return package.graph_catalogs[name]
+            return msgspec.to_builtins(package.graph_catalogs[name])
     return None
 
 
-def _compiled(package: Package, rank: dict) -> dict | None:
+def _compiled(package: Package, rank: Rank) -> dict | None:
     """What the rank carries of prepared compiled code (sizes and the environment it fits); None when
     unverified or prepared without a GPU."""
-    stored = package.compiled_artifacts(rank["rank"]) if package.trust is not None else None
+    stored = package.compiled_artifacts(rank.rank) if package.trust is not None else None
     if stored is None:
         return None
     data, key, triton_kernels = stored
@@ -163,33 +165,33 @@ def _compiled_text(compiled: dict | None, read: bool) -> str:
             f"Triton {key.get('triton')}, CUDA {key.get('cuda')}, {key.get('gpu')} ({key.get('capability')})")
 
 
-def _memory_map(package: Package, ranks: list[dict]) -> list[dict]:
+def _memory_map(package: Package, ranks: tuple[Rank, ...]) -> list[dict]:
     result = []
     for rank in ranks:
-        names = set(rank["payloads"])
+        names = set(rank.payloads)
         payloads = []
-        for record in package.manifest["payloads"]:
-            if record["kind"] != "module-global" or record["name"] in names:
-                location = package.files.locate(record["name"], record["size"])
-                payloads.append({"name": record["name"], "kind": record["kind"], "size": record["size"],
-                                 "sha256": record["sha256"], "file": str(location.path),
+        for record in package.payloads:
+            if record.kind != "module-global" or record.name in names:
+                location = package.files.locate(record)
+                payloads.append({"name": record.name, "kind": record.kind, "size": record.size,
+                                 "sha256": record.sha256, "file": str(location.path),
                                  "offset": location.offset})
-        result.append({"rank": rank["rank"], "payloads": payloads,
+        result.append({"rank": rank.rank, "payloads": payloads,
                        "kv_bytes_per_token": _kv_bytes_per_token(package.manifest),
                        "kv_pages": "sized at load from free device memory"})
     return result
 
 
 def _frontend(package: Package) -> dict:
-    frontend = package.manifest["frontend"]
+    frontend = package.manifest.frontend
     assets = [{"name": name, "size": len(package.frontend_assets[name]) if name in package.frontend_assets
-               else None} for name in frontend["assets"]]
+               else None} for name in frontend.assets]
     tokenizer_config = {}
     if "tokenizer_config.json" in package.frontend_assets:
         tokenizer_config = json.loads(package.frontend_assets["tokenizer_config.json"])
     has_template = bool(tokenizer_config.get("chat_template")) or any(
-        name.endswith(".jinja") or name == "chat_template.json" for name in frontend["assets"])
-    return {"payload": frontend["payload"], "assets": assets,
+        name.endswith(".jinja") or name == "chat_template.json" for name in frontend.assets)
+    return {"payload": frontend.payload, "assets": assets,
             "tokenizer_class": tokenizer_config.get("tokenizer_class"),
             "bos_token": tokenizer_config.get("bos_token"), "eos_token": tokenizer_config.get("eos_token"),
             "chat_template": has_template if package.trust else None}

@@ -8,9 +8,11 @@ Installing a version the cache already has returns the existing entry when its s
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 from flare.errors import PreparationError
 from flare.package import format as fmt
+from flare.package.manifest import PayloadRecord
 from flare.package.store import EntryId, ModelCache
 from flare.package.trust import TrustOptions, verify_signature
 from flare.package.verify import check_layout, copy_payload
@@ -23,8 +25,8 @@ def install_package(source: Path, cache: ModelCache, trust: TrustOptions | None 
     manifest = files.primary.manifest
     verify_signature(files.primary.manifest_body, files.primary.signature, manifest, files.primary.profile_json,
                      trust or TrustOptions(require_acceptance=False), str(files.primary_path))
-    check_layout(files, manifest["payloads"])
-    entry = EntryId(manifest["model_key"], manifest["version"])
+    check_layout(files, manifest.payloads)
+    entry = EntryId(manifest.model_key, manifest.version)
     existing = cache.entry_path(entry)
     if existing.is_dir():
         if fmt.read_package_files(existing).primary.manifest_body != files.primary.manifest_body:
@@ -36,12 +38,12 @@ def install_package(source: Path, cache: ModelCache, trust: TrustOptions | None 
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
-        stage_payloads(cache, files, manifest["payloads"], tree, "nothing was installed")
+        stage_payloads(cache, files, manifest.payloads, tree, "nothing was installed")
         fmt.write_primary(tree / fmt.PRIMARY_NAME, files.primary)
         return cache.publish(tree, entry, select=select)
 
 
-def stage_payloads(cache: ModelCache, files: fmt.PackageFiles, records: list[dict], tree: Path,
+def stage_payloads(cache: ModelCache, files: fmt.PackageFiles, records: Iterable[PayloadRecord], tree: Path,
                    consequence: str) -> None:
     """Lay every payload of `records` out under `tree` by its name, as a hard link to its blob.
 
@@ -49,10 +51,10 @@ def stage_payloads(cache: ModelCache, files: fmt.PackageFiles, records: list[dic
     (checked against its signed size and SHA-256 on the way) and stored as a new blob. A mismatch raises
     an IntegrityError ending with `consequence`."""
     for record in records:
-        staged = tree / record["name"]
+        staged = tree / record.name
         staged.parent.mkdir(parents=True, exist_ok=True)
-        if cache.has_blob(record["sha256"]):
-            cache.link_blob(record["sha256"], staged)
+        if cache.has_blob(record.sha256):
+            cache.link_blob(record.sha256, staged)
             continue
         copy_payload(files, record, staged, consequence)
-        cache.store_payload(staged, record["sha256"])
+        cache.store_payload(staged, record.sha256)

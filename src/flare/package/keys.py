@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 
+import msgspec
+
 from flare.errors import UsageError
-from flare.package.export import write_signed_primary
+from flare.package.export import publisher_record, utc_now, write_signed_primary
+from flare.package.manifest import PromotedFrom
 from flare.package.signing import (DEVELOPMENT_NAMESPACE, SigningIdentity, ask_passphrase, generate_private_key,
                                    load_private_key, private_key_pem, publishing_identity, write_owner_only)
 from flare.package.install import stage_payloads
@@ -77,22 +79,20 @@ def sign_package(target: str, config_path: Path | None = None, official_source: 
     package = open_package(target, TrustOptions(publisher_keys=publisher_keys, require_acceptance=False),
                            cache_root=cache.root)
     old = package.manifest
-    if old["publisher"]["namespace"] != DEVELOPMENT_NAMESPACE:
-        raise UsageError(f"{package.label} is already signed by {old['publisher']['namespace']!r}; "
+    if old.publisher.namespace != DEVELOPMENT_NAMESPACE:
+        raise UsageError(f"{package.label} is already signed by {old.publisher.namespace!r}; "
                          "only development packages are promoted")
-    verify_payloads(package.files, old["payloads"])
-    promoted_from = {"version": old["version"], "key_fingerprint": old["publisher"]["key_fingerprint"]}
-    publisher = {"namespace": identity.namespace, "official_source": identity.official_source,
-                 "key_fingerprint": identity.public_key.fingerprint}
+    verify_payloads(package.files, old.payloads)
+    promoted_from = PromotedFrom(old.version, old.publisher.key_fingerprint)
     with cache.staging_tree() as staging:
         tree = staging / "entry"
         tree.mkdir()
-        stage_payloads(cache, package.files, old["payloads"], tree, "nothing was signed")
+        stage_payloads(cache, package.files, old.payloads, tree, "nothing was signed")
 
         def sign_as(version: str) -> None:
-            manifest = dict(old, version=version, repository=repo_id or old.get("repository"),
-                            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                            promoted_from=promoted_from, publisher=publisher)
+            manifest = msgspec.structs.replace(old, version=version, repository=repo_id or old.repository,
+                                               created=utc_now(), promoted_from=promoted_from,
+                                               publisher=publisher_record(identity))
             write_signed_primary(tree, manifest, identity)
 
-        return cache.publish_new_version(tree, old["model_key"], sign_as)
+        return cache.publish_new_version(tree, old.model_key, sign_as)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flare.errors import FlareError
 from flare.package import format as fmt
+from flare.package.manifest import Manifest
 from flare.package.store import EntryId, ModelCache
 
 
@@ -42,20 +43,20 @@ def describe_entry(cache: ModelCache, entry: EntryId, default: str | None) -> di
     except FlareError as error:
         description.update(error=str(error))
         return description
-    plan = manifest.get("plan", {})
+    plan = manifest.plan
     description.update(
-        model_id=manifest.get("model_id"), served_names=manifest.get("served_names"),
-        publisher=(manifest.get("publisher") or {}).get("namespace"), created=manifest.get("created"),
-        deployments=[{"name": d["name"], "tensor_parallel": d["tensor_parallel"],
-                      "max_concurrency": plan.get("max_concurrency"),
-                      "decode_capacities": plan.get("decode_capacities"),
-                      "max_model_len": plan.get("max_model_len")} for d in manifest.get("deployments", [])])
+        model_id=manifest.model_id, served_names=list(manifest.served_names),
+        publisher=manifest.publisher.namespace, created=manifest.created,
+        deployments=[{"name": d.name, "tensor_parallel": d.tensor_parallel,
+                      "max_concurrency": plan.max_concurrency,
+                      "decode_capacities": list(plan.decode_capacities),
+                      "max_model_len": plan.max_model_len} for d in manifest.deployments])
     description.update(storage_figures(cache, path, manifest, selected, leased))
     return description
 
 
-def storage_figures(cache: ModelCache, path: Path, manifest: dict, selected: bool, leased: bool) -> dict:
-    unique = {record["sha256"]: record["size"] for record in manifest.get("payloads", [])}
+def storage_figures(cache: ModelCache, path: Path, manifest: Manifest, selected: bool, leased: bool) -> dict:
+    unique = {record.sha256: record.size for record in manifest.payloads}
     inodes: dict[tuple[int, int], os.stat_result] = {}
     for file in path.rglob("*"):
         info = file.lstat()

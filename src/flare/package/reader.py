@@ -1,7 +1,7 @@
 """Opening a package to serve it: verify the signature, decide trust, check payloads, expose contents.
 
     package = open_package(path_or_selector, TrustOptions(...), cache_root=...)
-    package.manifest                  the signed manifest (dict)
+    package.manifest                  the signed manifest (flare.package.manifest.Manifest)
     package.iter_weights()            (checkpoint tensor name, tensor) for every weight, memory-mapped
     package.frontend_dir()            a temporary directory holding tokenizer.json, configs, templates
 """
@@ -21,6 +21,7 @@ from flare.package import format as fmt
 from flare.package import safetensors_io as st
 from flare.package import verify
 from flare.package import weights as wt
+from flare.package.manifest import GraphCatalog, Manifest, PayloadRecord, Plan
 from flare.package.download import is_local_path, no_package_error
 from flare.package.store import DEFAULT_CACHE_ROOT, ModelCache
 from flare.package.trust import TrustOptions, TrustResult, authorize, verify_signature
@@ -35,10 +36,10 @@ class Package:
 
     path: Path
     files: fmt.PackageFiles
-    manifest: dict
+    manifest: Manifest
     trust: TrustResult | None                      # None only for unverified inspection
     frontend_assets: dict[str, bytes]
-    graph_catalogs: dict[str, dict]                # deployment payload name -> catalog
+    graph_catalogs: dict[str, GraphCatalog]        # deployment payload name -> catalog
     _frontend_tmp: Path | None = None
 
     @property
@@ -47,34 +48,34 @@ class Package:
 
     @property
     def label(self) -> str:
-        return f"{self.manifest['model_key']}@{self.manifest['version']}"
+        return self.manifest.label
 
     @property
     def hf_config(self) -> dict:
-        return self.manifest["checkpoint"]["config"]
+        return self.manifest.checkpoint.config
 
     @property
-    def plan(self) -> dict:
-        return self.manifest["plan"]
+    def plan(self) -> Plan:
+        return self.manifest.plan
 
     @property
     def served_names(self) -> list[str]:
-        return list(self.manifest["served_names"])
+        return list(self.manifest.served_names)
 
     @property
-    def payloads(self) -> list[dict]:
-        return list(self.manifest["payloads"])
+    def payloads(self) -> tuple[PayloadRecord, ...]:
+        return self.manifest.payloads
 
-    def weight_payloads(self) -> list[dict]:
-        return [record for record in self.manifest["payloads"] if record["kind"] == "weights"]
+    def weight_payloads(self) -> tuple[PayloadRecord, ...]:
+        return self.manifest.weight_payloads()
 
     def iter_weights(self, pinned: bool = False) -> Iterator[tuple[str, object]]:
         """Every weight under its checkpoint name, as a CPU tensor mapped from the payload file; with
         `pinned`, read into page-locked buffers instead (for a GPU: see `weights.iter_tensors_pinned`)."""
         locations = []
         for record in self.weight_payloads():
-            location = self.files.locate(record["name"], record["size"])
-            locations.append((location.path, location.offset, record["size"], f"payload {record['name']}"))
+            location = self.files.locate(record)
+            locations.append((location.path, location.offset, record.size, f"payload {record.name}"))
         if pinned:
             yield from wt.iter_tensors_pinned(locations)
             return
@@ -85,10 +86,9 @@ class Package:
         """The torch.compile artifacts prepared for `rank` of the first deployment, the environment key
         they were made with and the packed Triton kernels (b"" if none), read hash-checked; None when the
         package was prepared without a GPU."""
-        deployment = self.manifest["deployments"][0]
-        name = next(r["payloads"][0] for r in deployment["ranks"] if r["rank"] == rank)
-        record = next(r for r in self.manifest["payloads"] if r["name"] == name)
-        tensors, metadata = _decode(verify.read_verified(self.files, record), name)
+        deployment = self.manifest.deployments[0]
+        name = next(r.payloads[0] for r in deployment.ranks if r.rank == rank)
+        tensors, metadata = _decode(verify.read_verified(self.files, self.manifest.payload(name)), name)
         if fmt.COMPILE_KEY_METADATA not in metadata:
             return None
         return (tensors.get(fmt.COMPILED_ARTIFACTS_TENSOR, b""), json.loads(metadata[fmt.COMPILE_KEY_METADATA]),
@@ -138,10 +138,10 @@ def open_package(target: str | Path, trust: TrustOptions | None = None, cache_ro
     key, source = verify_signature(primary.manifest_body, primary.signature, manifest, primary.profile_json,
                                    trust, str(files.primary_path))
     result = authorize(manifest, key, source, trust, stream)
-    verify.check_layout(files, manifest["payloads"])
+    verify.check_layout(files, manifest.payloads)
     frontend, catalogs = read_small_payloads(files, manifest)
     if trust.verify_weights:
-        verify.verify_payloads(files, [r for r in manifest["payloads"] if r["kind"] == "weights"], on_verify_bytes)
+        verify.verify_payloads(files, manifest.weight_payloads(), on_verify_bytes)
     return Package(path, files, manifest, result, frontend, catalogs)
 
 
@@ -152,23 +152,23 @@ def open_unverified(target: str | Path, cache_root: Path | None = None) -> Packa
     return Package(path, files, files.primary.manifest, None, {}, {})
 
 
-def read_small_payloads(files: fmt.PackageFiles, manifest: dict) -> tuple[dict[str, bytes], dict[str, dict]]:
+def read_small_payloads(files: fmt.PackageFiles, manifest: Manifest
+                        ) -> tuple[dict[str, bytes], dict[str, GraphCatalog]]:
     """Frontend assets and graph catalogs, from bytes whose hashes were just checked."""
     frontend: dict[str, bytes] = {}
-    catalogs: dict[str, dict] = {}
-    for record in manifest["payloads"]:
-        if record["kind"] not in ("frontend", "module-global"):
-            continue
+    catalogs: dict[str, GraphCatalog] = {}
+    for record in manifest.payloads_of_kind("frontend", "module-global"):
         data = verify.read_verified(files, record)
-        tensors, metadata = _decode(data, record["name"])
-        if record["kind"] == "frontend":
+        tensors, metadata = _decode(data, record.name)
+        if record.kind == "frontend":
             for asset in tensors:
                 if not _ASSET_NAME.fullmatch(asset):
                     raise UsageError(f"{files.primary_path}: frontend asset {asset!r} is not a plain file name; "
                                      "the package is malformed and cannot be used")
             frontend.update(tensors)
         else:
-            catalogs[record["name"]] = json.loads(metadata.get(fmt.GRAPH_CATALOG_METADATA, "{}"))
+            catalogs[record.name] = GraphCatalog.from_json(metadata.get(fmt.GRAPH_CATALOG_METADATA, ""),
+                                                           f"payload {record.name}")
     return frontend, catalogs
 
 

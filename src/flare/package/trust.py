@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from flare.errors import PreparationError, UsageError
+from flare.package.manifest import Manifest
 from flare.package.signing import DEVELOPMENT_NAMESPACE, DEVELOPMENT_PROFILE_FILE, Profile, PublicKey
 
 DEFAULT_TRUST_STORE = Path("~/.config/flare/trust.toml")
@@ -178,10 +179,9 @@ def candidate_keys(embedded_profile: str, namespace: str, options: TrustOptions)
     return found
 
 
-def verify_signature(manifest_body: str, signature: bytes, manifest: dict, embedded_profile: str,
+def verify_signature(manifest_body: str, signature: bytes, manifest: Manifest, embedded_profile: str,
                      options: TrustOptions, where: str) -> tuple[PublicKey, str]:
-    publisher = manifest.get("publisher") or {}
-    fingerprint, namespace = publisher.get("key_fingerprint", ""), publisher.get("namespace", "")
+    fingerprint, namespace = manifest.publisher.key_fingerprint, manifest.publisher.namespace
     keys = [(key, source) for key, source in candidate_keys(embedded_profile, namespace, options)
             if key.fingerprint == fingerprint]
     if not keys:
@@ -194,11 +194,11 @@ def verify_signature(manifest_body: str, signature: bytes, manifest: dict, embed
     return key, source
 
 
-def check_online(manifest: dict, options: TrustOptions, timeout_s: float = 5.0) -> str:
+def check_online(manifest: Manifest, options: TrustOptions, timeout_s: float = 5.0) -> str:
     """Fetch publisher.json at the signed official source: "verified", or "unverified: <reason>"."""
-    publisher = manifest["publisher"]
-    source = publisher.get("official_source") or ""
-    if publisher.get("namespace") == DEVELOPMENT_NAMESPACE or not source.startswith(("https://", "http://")):
+    publisher = manifest.publisher
+    source = publisher.official_source
+    if publisher.namespace == DEVELOPMENT_NAMESPACE or not source.startswith(("https://", "http://")):
         return "unverified: a local development key has no official source to confirm it"
     if options.offline:
         return "unverified: --offline skips the publisher check"
@@ -213,11 +213,11 @@ def check_online(manifest: dict, options: TrustOptions, timeout_s: float = 5.0) 
     if response.status_code != 200:
         return f"unverified: {url} answered HTTP {response.status_code}"
     profile = Profile.from_json(response.text, url)
-    listed = profile.namespace == publisher["namespace"] and any(
-        key.fingerprint == publisher["key_fingerprint"] for key in profile.keys)
+    listed = profile.namespace == publisher.namespace and any(
+        key.fingerprint == publisher.key_fingerprint for key in profile.keys)
     if not listed:
-        raise TrustError(f"{url} does not list key {publisher['key_fingerprint']} for publisher "
-                         f"{publisher['namespace']!r}: the package was not signed by its claimed publisher, "
+        raise TrustError(f"{url} does not list key {publisher.key_fingerprint} for publisher "
+                         f"{publisher.namespace!r}: the package was not signed by its claimed publisher, "
                          "or the key was revoked. It cannot be loaded.")
     return "verified"
 
@@ -229,11 +229,10 @@ def _profile_url(source: str, endpoint: str | None) -> str:
     return f"{source}/resolve/main/publisher.json"
 
 
-def authorize(manifest: dict, key: PublicKey, key_source: str, options: TrustOptions,
+def authorize(manifest: Manifest, key: PublicKey, key_source: str, options: TrustOptions,
               stream: TextIO | None = None) -> TrustResult:
     """Decide whether this signed package may run: remembered, approved by flags, or typed at a terminal."""
-    publisher = manifest["publisher"]
-    fingerprint, namespace = key.fingerprint, publisher["namespace"]
+    fingerprint, namespace = key.fingerprint, manifest.publisher.namespace
     store = TrustStore(options.store_path)
     remembered = store.find(fingerprint, namespace)
     if not options.require_acceptance:
@@ -260,8 +259,8 @@ def authorize(manifest: dict, key: PublicKey, key_source: str, options: TrustOpt
     return TrustResult(fingerprint, namespace, key_source, identity, True)
 
 
-def _ask(manifest, fingerprint, identity, key_source, license_text, options, stream) -> None:
-    namespace = manifest["publisher"]["namespace"]
+def _ask(manifest: Manifest, fingerprint, identity, key_source, license_text, options, stream) -> None:
+    namespace = manifest.publisher.namespace
     interactive = options.interactive
     if interactive is None:
         interactive = sys.stdin.isatty() and stream.isatty()
@@ -277,23 +276,23 @@ def _ask(manifest, fingerprint, identity, key_source, license_text, options, str
         raise TrustError(f"typed {typed!r}, not the publisher namespace {namespace!r}; nothing was accepted")
 
 
-def disclosure(manifest: dict, fingerprint: str, identity: str, key_source: str, license_text: str) -> str:
-    publisher = manifest["publisher"]
+def disclosure(manifest: Manifest, fingerprint: str, identity: str, key_source: str, license_text: str) -> str:
+    publisher = manifest.publisher
     lines = ["This package is signed by a publisher key you have not accepted before.",
-             f"  publisher:   {publisher['namespace']}",
+             f"  publisher:   {publisher.namespace}",
              f"  key:         {fingerprint}  (from {key_source})",
-             f"  source:      {publisher.get('official_source') or 'none'}",
+             f"  source:      {publisher.official_source or 'none'}",
              f"  identity:    {identity}",
              f"  license:     {license_text}",
-             f"  model:       {manifest.get('model_id')}  version {manifest.get('version')}"]
-    if publisher["namespace"] == DEVELOPMENT_NAMESPACE:
+             f"  model:       {manifest.model_id}  version {manifest.version}"]
+    if publisher.namespace == DEVELOPMENT_NAMESPACE:
         lines.append("  A local development key makes no claim to be an official published checkpoint.")
     lines.append("Typing the namespace accepts the license terms above and trusts this key to run code.")
     return "\n".join(lines)
 
 
-def _license_line(manifest: dict) -> str:
-    license_info = manifest.get("license") or {}
-    name = license_info.get("name") or "not recorded"
-    link = license_info.get("link")
+def _license_line(manifest: Manifest) -> str:
+    if manifest.license is None:
+        return "not recorded"
+    name, link = manifest.license.name or "not recorded", manifest.license.link
     return f"{name} ({link})" if link else name

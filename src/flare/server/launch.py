@@ -156,7 +156,7 @@ def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
         package = _open_package(options, download, stages, stream,
                                 lambda path: held.enter_context(lease_entry(path)))   # the cache it lies in
         held.callback(package.close)
-        weight_bytes = sum(r["size"] for r in package.weight_payloads())
+        weight_bytes = sum(r.size for r in package.weight_payloads())
         return serve(_package_model(package, weight_bytes), options.listener, options.config, stages, stream)
 
 
@@ -186,17 +186,17 @@ def _open_package(options: RunOptions, download: Any, stages: StageReporter, str
         manifest = files.primary.manifest
         key, key_source = verify_signature(files.primary.manifest_body, files.primary.signature, manifest,
                                            files.primary.profile_json, options.trust, str(files.primary_path))
-        stage.note(f"{manifest['model_id']} {manifest['version']}, signed by {manifest['publisher']['namespace']}")
+        stage.note(f"{manifest.model_id} {manifest.version}, signed by {manifest.publisher.namespace}")
     warning = foreign_source_warning(path, manifest, download.cache_root)
     if warning:
         print(warning, file=stream, flush=True)
     with stages.stage("Publisher acceptance", animate=False) as stage:      # it may prompt at a terminal
         trust = authorize(manifest, key, key_source, options.trust, stream)
         stage.note(f"{trust.namespace} ({trust.identity})")
-    weights = [r for r in manifest["payloads"] if r["kind"] == "weights"]
-    scanned = sum(r["size"] for r in weights) if options.trust.verify_weights else 0
+    weights = manifest.weight_payloads()
+    scanned = sum(r.size for r in weights) if options.trust.verify_weights else 0
     with stages.stage("Verify stored data", total=scanned or None) as stage:
-        verify.check_layout(files, manifest["payloads"])
+        verify.check_layout(files, manifest.payloads)
         frontend_assets, catalogs = read_small_payloads(files, manifest)
         if options.trust.verify_weights:
             verify.verify_payloads(files, weights, stage.advance)
@@ -204,7 +204,7 @@ def _open_package(options: RunOptions, download: Any, stages: StageReporter, str
     return Package(path, files, manifest, trust, frontend_assets, catalogs)
 
 
-def foreign_source_warning(path: Path, manifest: dict, cache_root: Path) -> str | None:
+def foreign_source_warning(path: Path, manifest: Any, cache_root: Path) -> str | None:
     """A warning when the entry at `path` was downloaded from a repository other than its signed official
     source (spec: printed on every load); None for local packages and downloads from the official source."""
     from flare.package.sources import SourceRecords
@@ -213,11 +213,11 @@ def foreign_source_warning(path: Path, manifest: dict, cache_root: Path) -> str 
     origin = SourceRecords(ModelCache(Path(cache_root))).origin_of_path(path)
     if origin is None:
         return None
-    source = manifest["publisher"].get("official_source") or ""
+    source = manifest.publisher.official_source
     official = source_repository(source)
     if official is not None and official.casefold() == origin.repository.casefold():
         return None
-    return (f"warning: {manifest['model_id']} was downloaded from {origin.repository}, which is not its signed "
+    return (f"warning: {manifest.model_id} was downloaded from {origin.repository}, which is not its signed "
             f"official source {source or '(none: a development key)'}")
 
 
@@ -231,18 +231,17 @@ def source_repository(url: str) -> str | None:
 
 def _package_model(package: Any, weight_bytes: int) -> ServedModel:
     manifest = package.manifest
-    plan = manifest["plan"]
-    sampling = manifest.get("sampling") or {}
-    max_model_len = plan.get("max_model_len") or package.hf_config.get("max_position_embeddings")
+    plan = manifest.plan
+    max_model_len = plan.max_model_len or package.hf_config.get("max_position_embeddings")
     return ServedModel(
-        canonical_id=manifest["model_id"], served_names=tuple(manifest["served_names"]),
-        hf_config=package.hf_config, frontend_dir=package.frontend_dir(), dtype=plan["dtype"],
-        page_size=int(plan["page_size"]), prefill_chunk=int(plan["prefill_chunk"]),
-        prepared_concurrency=int(plan["max_concurrency"]), max_model_len=int(max_model_len),
+        canonical_id=manifest.model_id, served_names=manifest.served_names,
+        hf_config=package.hf_config, frontend_dir=package.frontend_dir(), dtype=plan.dtype,
+        page_size=plan.page_size, prefill_chunk=plan.prefill_chunk,
+        prepared_concurrency=plan.max_concurrency, max_model_len=int(max_model_len),
         weight_bytes=weight_bytes, iter_weights=package.iter_weights,
-        sampling=SamplingPolicy(sampling.get("defaults") or {}, sampling.get("ranges") or {}),
-        memory_reserve_bytes=int(plan.get("memory_reserve_bytes") or 0), package_path=package.path,
-        decode_capacities=tuple(plan["decode_capacities"]))
+        sampling=SamplingPolicy(manifest.sampling.defaults, manifest.sampling.ranges),
+        memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
+        decode_capacities=plan.decode_capacities)
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

@@ -38,7 +38,7 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-compiled") as background:
         # Putting the compiled kernels into the local caches imports the compiler (seconds): done meanwhile.
         compiled_note = background.submit(_load_compiled_artifacts, package) if on_cuda else None
-        report(WeightsTotal(sum(r["size"] for r in package.weight_payloads())))
+        report(WeightsTotal(sum(r.size for r in package.weight_payloads())))
         cfg = ModelConfig.from_hf_config(package.hf_config)
         model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device, cfg.head_dim))
 
@@ -53,4 +53,4 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
         if compiled_note is not None:
             report(PrepareNote(compiled_note.result()))
     return LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
-                       device, dtype, compile_layers=package.plan.get("compile", True))
+                       device, dtype, compile_layers=package.plan.compile)

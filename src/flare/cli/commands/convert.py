@@ -24,7 +24,7 @@ def run(args) -> int:
     output = args.output
     if output is None:
         manifest = fmt.read_package_files(Path(args.package)).primary.manifest
-        output = Path(f"{manifest['model_key']}-{manifest['version']}"
+        output = Path(f"{manifest.model_key}-{manifest.version}"
                       + (".safetensors" if args.form == "packed" else ""))
     print(convert(Path(args.package), output, args.form, trust))
     return 0

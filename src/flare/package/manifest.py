@@ -1,0 +1,233 @@
+"""The signed manifest's schema: what a package records, as frozen types decoded strictly.
+
+`Manifest.from_json(text)` decodes the signed text into these types and refuses, naming the field, a
+manifest with a missing, renamed, unknown or mistyped field, or an unsafe name. `Manifest.to_json()` is
+the canonical text that is signed: JSON with sorted keys, no spaces, UTF-8 kept, exactly as the first
+format-2 packages wrote it, so their signatures still verify and their text round-trips unchanged.
+Optional fields (`promoted_from`) are left out of the text when absent.
+
+What each side may assume: a reader holding a `Manifest` has a well-formed one (every payload name
+a plain relative path, every hash 64 lowercase hex digits, every deployment rank naming module-global
+payloads the manifest lists). Whether its bytes are authentic is the signature's business
+(`trust.verify_signature`), whether the payloads match it is `verify`'s.
+
+The checkpoint's `config.json` travels as an opaque mapping (`Checkpoint.config`):
+`flare.models.ModelConfig.from_hf_config` types it where the model is built. Dict fields are not to
+be mutated; build a changed manifest with `msgspec.structs.replace`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from flare.errors import PreparationError
+from flare.package.store import model_key_for
+
+FORMAT_VERSION = 2
+
+Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Number = int | float                       # JSON numbers keep their written form (1 stays 1, 1.0 stays 1.0)
+PayloadKind = Literal["weights", "frontend", "module-global"]
+ServingDtype = Literal["float32", "bfloat16", "float16"]
+
+PRIMARY_NAME = "model.safetensors"
+# Payload names are relative paths of plain segments: a manifest can never point outside its entry.
+_PAYLOAD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class ManifestError(PreparationError):
+    """A manifest that does not follow the schema (exit 5): the package is malformed."""
+
+
+class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every manifest record: immutable, strict, optional fields left out when absent."""
+
+
+def is_plain_payload_name(name: str) -> bool:
+    return bool(_PAYLOAD_NAME.fullmatch(name)) and ".." not in name.split("/") and name != PRIMARY_NAME
+
+
+class PayloadRecord(_Record):
+    name: str
+    kind: PayloadKind
+    sha256: Sha256
+    size: Count
+
+    def __post_init__(self) -> None:
+        if not is_plain_payload_name(self.name):
+            raise ValueError(f"names a payload {self.name!r} that is not a plain relative path")
+
+
+class Recipe(_Record):
+    name: str | None
+    alias: str | None
+
+
+class Checkpoint(_Record):
+    repo_id: str | None
+    revision: str | None
+    config: dict[str, Any]                  # the checkpoint's config.json, opaque here
+
+
+class Plan(_Record):
+    """What preparation decided and serving follows."""
+
+    dtype: ServingDtype
+    page_size: Positive
+    prefill_chunk: Positive
+    compile: bool                           # False: --no-compile (eager decoder layers)
+    max_concurrency: Positive
+    decode_capacities: tuple[Positive, ...]
+    max_model_len: Positive | None
+    memory_reserve_bytes: Count
+    tensor_parallel: Positive
+
+
+class Sampling(_Record):
+    defaults: dict[str, Number]
+    ranges: dict[str, tuple[Number, Number]]
+
+
+class License(_Record):
+    name: str
+    link: str | None
+
+
+class Publisher(_Record):
+    namespace: str
+    official_source: str
+    key_fingerprint: Sha256
+
+
+class PromotedFrom(_Record):
+    """Set by `ignition sign`: the development version this one re-signs."""
+
+    version: str
+    key_fingerprint: Sha256
+
+
+class PhaseRecord(_Record):
+    phase: str
+    status: str
+    detail: str
+    elapsed_s: float
+
+
+class Preparation(_Record):
+    device: str
+    phases: tuple[PhaseRecord, ...]
+
+
+class Frontend(_Record):
+    payload: str
+    assets: tuple[str, ...]
+
+
+class Rank(_Record):
+    rank: Count
+    payloads: tuple[str, ...]
+
+
+class Deployment(_Record):
+    name: str
+    tensor_parallel: Positive
+    ranks: tuple[Rank, ...]
+
+
+class GraphCatalog(_Record):
+    """A rank's graph catalog, the metadata of its module-global payload (not part of the manifest)."""
+
+    captured: tuple[Positive, ...]
+    note: str
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "GraphCatalog":
+        return _decode(text, cls, f"the graph catalog of {where}")
+
+    def to_json(self) -> str:
+        return json.dumps(msgspec.to_builtins(self), sort_keys=True)
+
+
+class Manifest(_Record):
+    format_version: int
+    model_key: str
+    version: str
+    model_id: str
+    served_names: tuple[str, ...]
+    recipe: Recipe
+    checkpoint: Checkpoint
+    repository: str | None
+    plan: Plan
+    sampling: Sampling
+    license: License | None
+    publisher: Publisher
+    created: str
+    preparation: Preparation
+    frontend: Frontend
+    deployments: tuple[Deployment, ...]
+    payloads: tuple[PayloadRecord, ...]
+    promoted_from: PromotedFrom | None = None
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(f"format_version is {self.format_version}; this Flare reads format {FORMAT_VERSION}")
+        if not _VERSION.fullmatch(self.version):
+            raise ValueError(f"version {self.version!r} is not a plain name")
+        if self.model_key != model_key_for(self.model_id):
+            raise ValueError(f"model_key {self.model_key!r} does not match model_id {self.model_id!r}")
+        kinds = {record.name: record.kind for record in self.payloads}
+        if len(kinds) != len(self.payloads):
+            raise ValueError("payloads names one payload more than once")
+        if kinds.get(self.frontend.payload) != "frontend":
+            raise ValueError(f"frontend.payload {self.frontend.payload!r} is not a frontend payload it lists")
+        for deployment in self.deployments:
+            for rank in deployment.ranks:
+                for name in rank.payloads:
+                    if kinds.get(name) != "module-global":
+                        raise ValueError(f"deployment {deployment.name} rank {rank.rank} names {name!r}, "
+                                         "which is not a module-global payload it lists")
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Manifest":
+        return _decode(text, cls, "the signed manifest")
+
+    def to_json(self) -> str:
+        """The canonical text: the bytes that are signed."""
+        return canonical_text(msgspec.to_builtins(self))
+
+    def to_builtins(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model_key}@{self.version}"
+
+    def weight_payloads(self) -> tuple[PayloadRecord, ...]:
+        return tuple(record for record in self.payloads if record.kind == "weights")
+
+    def payloads_of_kind(self, *kinds: str) -> tuple[PayloadRecord, ...]:
+        return tuple(record for record in self.payloads if record.kind in kinds)
+
+    def payload(self, name: str) -> PayloadRecord:
+        return next(record for record in self.payloads if record.name == name)
+
+
+def canonical_text(builtins: dict) -> str:
+    """The canonical JSON text of a manifest's plain-data form (sorted keys, compact, UTF-8 kept)."""
+    return json.dumps(builtins, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _decode(text: str | bytes, kind: type, what: str):
+    try:
+        return msgspec.json.decode(text, type=kind)
+    except msgspec.ValidationError as error:
+        raise ManifestError(f"{what} is malformed: {error}; export or download the package again") from None
+    except msgspec.DecodeError as error:
+        raise ManifestError(f"{what} is corrupt ({error}); export or download the package again") from None
