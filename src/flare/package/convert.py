@@ -19,7 +19,7 @@ from flare.package.store import copy_range, sha256_file, try_hard_link
 from flare.package.trust import TrustOptions, verify_signature
 from flare.package.verify import IntegrityError, check_layout, copy_payload
 
-FORMS = ("directory", "packed")
+FORMS = fmt.FORMS
 
 
 def convert(source: Path, output: Path, form: str = "directory", trust: TrustOptions | None = None) -> Path:

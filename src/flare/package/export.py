@@ -18,6 +18,7 @@ from typing import Callable
 from flare.errors import PreparationError, UsageError
 from flare.package import format as fmt
 from flare.package import safetensors_io as st
+from flare.package import verify
 from flare.package import weights as wt
 from flare.package.manifest import (Checkpoint, Deployment, Frontend, GraphCatalog, License, Manifest,
                                     PayloadRecord, Plan, Preparation, Publisher, Rank, Recipe, Sampling)
@@ -109,7 +110,6 @@ def write_signed_primary(tree: Path, manifest: Manifest, identity: SigningIdenti
     fmt.write_primary(tree / fmt.PRIMARY_NAME, primary)
 
 
-
 def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cached: bool,
                    hooks: ExportHooks) -> list[PayloadRecord]:
     """Each layer's payload read, cast, hashed and written by a few workers at once (each step releases
@@ -117,16 +117,18 @@ def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cach
     files = wt.checkpoint_tensor_files(spec.checkpoint_dir)
     groups = list(wt.group_by_payload(files).items())
 
-    def write(group: tuple[str, list[str]]) -> tuple[str, int]:
+    def write(group: tuple[str, list[str]]) -> PayloadRecord:
         payload, names = group
         path = tree / payload
         path.parent.mkdir(parents=True, exist_ok=True)
-        return st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype))
+        sha256, size = st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype))
+        tensors, sample = verify.describe_weight_payload(path, size)     # read back from the page cache
+        return PayloadRecord(payload, "weights", sha256, size, tensors, sample)
 
     records = []
     with ThreadPoolExecutor(max_workers=WRITE_WORKERS, thread_name_prefix="flare-export") as workers:
-        for (payload, _), (sha256, size) in zip(groups, workers.map(write, groups)):
-            records.append(_register(cache, tree, payload, "weights", sha256, size, hooks, require_cached))
+        for record in workers.map(write, groups):
+            records.append(_register(cache, tree, record, hooks, require_cached))
     return records
 
 
@@ -165,20 +167,19 @@ def _store(cache: ModelCache, tree: Path, name: str, kind: str, tensors, hooks: 
     path = tree / name
     path.parent.mkdir(parents=True, exist_ok=True)
     sha256, size = st.write(path, tensors, metadata)
-    return _register(cache, tree, name, kind, sha256, size, hooks, require_cached)
+    return _register(cache, tree, PayloadRecord(name, kind, sha256, size), hooks, require_cached)
 
 
-def _register(cache: ModelCache, tree: Path, name: str, kind: str, sha256: str, size: int, hooks: ExportHooks,
+def _register(cache: ModelCache, tree: Path, record: PayloadRecord, hooks: ExportHooks,
               require_cached: bool = False) -> PayloadRecord:
-    """Link a written payload to its blob and report it; its manifest record."""
-    path = tree / name
-    if require_cached and not cache.has_blob(sha256):
-        raise PreparationError(f"--no-weights: weight payload {name} ({sha256[:12]}…) is not cached; "
+    """Link a written payload to its blob and report it; return its manifest record."""
+    if require_cached and not cache.has_blob(record.sha256):
+        raise PreparationError(f"--no-weights: weight payload {record.name} ({record.sha256[:12]}…) is not cached; "
                                "export once without --no-weights")
-    reused = cache.store_payload(path, sha256)
+    reused = cache.store_payload(tree / record.name, record.sha256)
     if hooks.on_payload:
-        hooks.on_payload(name, size, reused)
-    return PayloadRecord(name, kind, sha256, size)
+        hooks.on_payload(record.name, record.size, reused)
+    return record
 
 
 def _module_global(spec: ExportSpec) -> tuple[list[st.TensorBytes], dict[str, str]]:

@@ -38,6 +38,7 @@ KEY_MANIFEST = "flare.manifest"
 KEY_SIGNATURE = "flare.signature"
 KEY_PROFILE = "flare.publisher_profile"
 KEY_FORM = "flare.form"
+FORMS = ("directory", "packed")
 
 # Assets the tokenizer and chat template need at serving time, copied from the checkpoint.
 FRONTEND_ASSET_NAMES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
@@ -133,9 +134,25 @@ def read_package_files(target: Path) -> PackageFiles:
         if entry.name.startswith(PACKED_PREFIX):
             name = entry.name[len(PACKED_PREFIX):]
             locations[name] = PayloadLocation(primary_path, entry.start, entry.end - entry.start)
+    check_form(primary.form, header, primary_path)
     if primary.form == "packed" and header.total_size > size:
         raise PreparationError(f"{primary_path} is truncated: {size} bytes of {header.total_size}")
     return PackageFiles(primary_path, primary, primary.form, locations)
+
+
+def check_form(form: str, header: st.Header, where: Path) -> None:
+    """`flare.form` is not signed, so it is bound to the file it describes: a directory-form primary holds
+    no tensors, a packed file holds its payloads (and padding) as tensors and nothing else. Where the
+    payloads are read from therefore follows from the file, never from the unsigned label alone."""
+    if form not in FORMS:
+        raise PreparationError(f"{where}: {KEY_FORM} is {form!r}, not one of {', '.join(FORMS)}; the package is "
+                               "malformed — export or download it again")
+    names = [entry.name for entry in header.tensors]
+    packed = bool(names) and all(name.startswith((PACKED_PREFIX, PADDING_PREFIX)) for name in names)
+    if (form == "packed") != packed or (form == "directory" and names):
+        holds = f"holds {len(names)} tensors" if names else "holds no payloads"
+        raise PreparationError(f"{where}: {KEY_FORM} says {form!r}, but the file {holds}; the package is "
+                               "malformed — export or download it again")
 
 
 def frontend_asset_names(checkpoint_dir: Path) -> list[str]:

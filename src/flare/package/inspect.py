@@ -69,7 +69,21 @@ def _verification(package: Package) -> dict:
             "key_fingerprint": publisher.key_fingerprint,
             "key_source": trust.key_source if trust else None,
             "accepted": trust.accepted if trust else None,
-            "identity": trust.identity if trust else None}
+            "identity": trust.identity if trust else None,
+            "checked": _checked(package), "not_checked": _not_checked(package)}
+
+
+def _checked(package: Package) -> list[str]:
+    """What opening the package checked, in the words the text report uses."""
+    if package.trust is None or package.stored_data is None:
+        return ["manifest schema (primary metadata only)"]
+    return ["signature", "manifest schema", *package.stored_data.checked()]
+
+
+def _not_checked(package: Package) -> list[str]:
+    if package.trust is None or package.stored_data is None:
+        return ["signature, and every payload's size, header and bytes (--unverified opens no companion files)"]
+    return package.stored_data.not_checked()
 
 
 def _model(manifest: Manifest) -> dict:
@@ -237,6 +251,8 @@ def sections(report: dict) -> list[Section]:
                               ("source", _text(verification["official_source"])),
                               ("key", verification["key_fingerprint"]),
                               ("identity", _text(verification["identity"]))]),
+        Section("Integrity", [("checked", "; ".join(verification["checked"])),
+                              ("not checked", "; ".join(verification["not_checked"]) or "-")]),
         Section("Capacities", [("dtype", capacities["dtype"]), ("context", _text(capacities["max_model_len"])),
                                ("concurrency", _text(capacities["max_concurrency"])),
                                ("decode batches", _text(capacities["decode_capacities"])),

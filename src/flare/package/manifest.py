@@ -4,7 +4,9 @@
 manifest with a missing, renamed, unknown or mistyped field, or an unsafe name. `Manifest.to_json()` is
 the canonical text that is signed: JSON with sorted keys, no spaces, UTF-8 kept, exactly as the first
 format-2 packages wrote it, so their signatures still verify and their text round-trips unchanged.
-Optional fields (`promoted_from`) are left out of the text when absent.
+Optional fields added since those packages (a weight payload's `tensors` and `sample`, and
+`promoted_from`) are left out of the text when absent; a package without them opens with fewer checks,
+and says so.
 
 What each side may assume: a reader holding a `Manifest` has a well-formed one (every payload name
 a plain relative path, every hash 64 lowercase hex digits, every deployment rank naming module-global
@@ -54,11 +56,33 @@ def is_plain_payload_name(name: str) -> bool:
     return bool(_PAYLOAD_NAME.fullmatch(name)) and ".." not in name.split("/") and name != PRIMARY_NAME
 
 
+class TensorRecord(_Record):
+    """One tensor of a weight payload as its safetensors header records it. Payload tensors are
+    contiguous and row-major, so dtype and shape also fix the strides."""
+
+    name: str
+    dtype: str                              # safetensors code: F32, BF16, F8_E4M3, ...
+    shape: tuple[Count, ...]
+    data_offsets: tuple[Count, Count]       # [start, end) within the payload's data section
+
+
+class PayloadSample(_Record):
+    """A cheap check of a payload's bytes, computed at export and checked on every load: the SHA-256
+    of `blocks` blocks of `block_bytes` spread evenly from the payload's first byte to its last
+    (`flare.package.verify.sampled_ranges`); of the whole payload when it is no larger than that."""
+
+    block_bytes: Positive
+    blocks: Positive
+    sha256: Sha256
+
+
 class PayloadRecord(_Record):
     name: str
     kind: PayloadKind
     sha256: Sha256
     size: Count
+    tensors: tuple[TensorRecord, ...] | None = None      # weight payloads: the header's tensor list
+    sample: PayloadSample | None = None                  # weight payloads: the sampled hash
 
     def __post_init__(self) -> None:
         if not is_plain_payload_name(self.name):

@@ -32,7 +32,9 @@ _ASSET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")     # frontend assets a
 
 @dataclass
 class Package:
-    """A verified package. Frontend and module-global bytes were hashed when it was opened."""
+    """A verified package: its signature, and its stored bytes as far as `stored_data` says (frontend and
+    module-global bytes hashed; weight payloads' sizes, headers and sampled hashes; all weight bytes only
+    with --verify-weights)."""
 
     path: Path
     files: fmt.PackageFiles
@@ -40,6 +42,7 @@ class Package:
     trust: TrustResult | None                      # None only for unverified inspection
     frontend_assets: dict[str, bytes]
     graph_catalogs: dict[str, GraphCatalog]        # deployment payload name -> catalog
+    stored_data: verify.StoredDataCheck | None = None   # what was checked of the bytes (None: unverified)
     _frontend_tmp: Path | None = None
 
     @property
@@ -138,11 +141,8 @@ def open_package(target: str | Path, trust: TrustOptions | None = None, cache_ro
     key, source = verify_signature(primary.manifest_body, primary.signature, manifest, primary.profile_json,
                                    trust, str(files.primary_path))
     result = authorize(manifest, key, source, trust, stream)
-    verify.check_layout(files, manifest.payloads)
-    frontend, catalogs = read_small_payloads(files, manifest)
-    if trust.verify_weights:
-        verify.verify_payloads(files, manifest.weight_payloads(), on_verify_bytes)
-    return Package(path, files, manifest, result, frontend, catalogs)
+    frontend, catalogs, checked = verify_stored_data(files, trust.verify_weights, on_verify_bytes)
+    return Package(path, files, manifest, result, frontend, catalogs, checked)
 
 
 def open_unverified(target: str | Path, cache_root: Path | None = None) -> Package:
@@ -150,6 +150,27 @@ def open_unverified(target: str | Path, cache_root: Path | None = None) -> Packa
     path = resolve_target(target, cache_root)
     files = fmt.read_package_files(path)
     return Package(path, files, files.primary.manifest, None, {}, {})
+
+
+def verify_stored_data(files: fmt.PackageFiles, full_hash: bool = False,
+                       on_bytes: Callable[[int], None] | None = None
+                       ) -> tuple[dict[str, bytes], dict[str, GraphCatalog], verify.StoredDataCheck]:
+    """What every load checks of a package whose signature verified (sizes, the small payloads' hashes,
+    the weight payloads' headers and sampled hashes; with `full_hash` every weight byte): the frontend
+    assets, the graph catalogs, and an account of what was checked."""
+    manifest = files.manifest
+    verify.check_layout(files, manifest.payloads)
+    frontend, catalogs = read_small_payloads(files, manifest)
+    weights = manifest.weight_payloads()
+    sampled_bytes = sum(verify.check_weight_payload(files, record) for record in weights)
+    if full_hash:
+        verify.verify_payloads(files, weights, on_bytes)
+    checked = verify.StoredDataCheck(
+        payloads=len(manifest.payloads), hashed_small=len(manifest.payloads) - len(weights),
+        weight_payloads=len(weights), headers_recorded=sum(r.tensors is not None for r in weights),
+        sampled=sum(r.sample is not None for r in weights), sampled_bytes=sampled_bytes,
+        weight_bytes=sum(r.size for r in weights), weights_hashed=full_hash)
+    return frontend, catalogs, checked
 
 
 def read_small_payloads(files: fmt.PackageFiles, manifest: Manifest

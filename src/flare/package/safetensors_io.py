@@ -103,15 +103,38 @@ def read_header(handle: BinaryIO, offset: int = 0, limit: int | None = None, wha
         fields = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise PreparationError(f"{what} is corrupt: its header is not JSON ({error})") from None
+    if not isinstance(fields, dict):
+        raise PreparationError(f"{what} is corrupt: its header is not a JSON object")
     metadata = fields.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise PreparationError(f"{what} is corrupt: its header's __metadata__ is not a map of strings")
     data_start = 8 + length
-    entries = []
-    data_end = 0
-    for name, info in fields.items():
-        begin, end = info["data_offsets"]
-        entries.append(TensorEntry(name, info["dtype"], tuple(info["shape"]), data_start + begin, data_start + end))
-        data_end = max(data_end, end)
-    return Header(metadata, tuple(entries), data_start, data_start + data_end)
+    entries = [_entry(name, info, data_start, what) for name, info in fields.items()]
+    data_end = max((entry.end for entry in entries), default=data_start)
+    return Header(metadata, tuple(entries), data_start, data_end)
+
+
+def _entry(name: str, info: object, data_start: int, what: str) -> TensorEntry:
+    """One tensor's header entry, checked: a known dtype, a shape of non-negative integers, and offsets
+    whose span is exactly the shape's bytes."""
+    def corrupt(problem: str) -> PreparationError:
+        return PreparationError(f"{what} is corrupt: the header entry of tensor {name!r} {problem}")
+
+    if not isinstance(info, dict):
+        raise corrupt("is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise PreparationError(f"{what}: tensor {name!r} has dtype {dtype!r}, which Flare does not read "
+                               f"(it reads {', '.join(DTYPE_SIZES)})")
+    if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
+        raise corrupt(f"has no valid shape ({shape!r})")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise corrupt(f"has no valid data_offsets ({offsets!r})")
+    if offsets[1] - offsets[0] != DTYPE_SIZES[dtype] * _count(tuple(shape)):
+        raise corrupt(f"spans {offsets[1] - offsets[0]} bytes, but {dtype} {tuple(shape)} needs "
+                      f"{DTYPE_SIZES[dtype] * _count(tuple(shape))}")
+    return TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
 def _count(shape: tuple[int, ...]) -> int:

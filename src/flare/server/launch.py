@@ -174,9 +174,8 @@ def _open_package(options: RunOptions, download: Any, stages: StageReporter, str
     """The first three loading stages: signature, publisher acceptance, stored data. Holds the entry's
     lease (so `flare models remove` refuses it) from the moment it is found."""
     from flare.package import format as fmt
-    from flare.package import verify
     from flare.package.download import resolve_package_target
-    from flare.package.reader import Package, read_small_payloads
+    from flare.package.reader import Package, verify_stored_data
     from flare.package.trust import authorize, verify_signature
 
     path = resolve_package_target(options.target, download, stream=stream)   # may download, before the stages
@@ -193,15 +192,23 @@ def _open_package(options: RunOptions, download: Any, stages: StageReporter, str
     with stages.stage("Publisher acceptance", animate=False) as stage:      # it may prompt at a terminal
         trust = authorize(manifest, key, key_source, options.trust, stream)
         stage.note(f"{trust.namespace} ({trust.identity})")
-    weights = manifest.weight_payloads()
-    scanned = sum(r.size for r in weights) if options.trust.verify_weights else 0
+    scanned = sum(r.size for r in manifest.weight_payloads()) if options.trust.verify_weights else 0
     with stages.stage("Verify stored data", total=scanned or None) as stage:
-        verify.check_layout(files, manifest.payloads)
-        frontend_assets, catalogs = read_small_payloads(files, manifest)
-        if options.trust.verify_weights:
-            verify.verify_payloads(files, weights, stage.advance)
-        stage.note("frontend and graph catalogs" + (", all weights" if scanned else ""))
-    return Package(path, files, manifest, trust, frontend_assets, catalogs)
+        frontend_assets, catalogs, checked = verify_stored_data(files, options.trust.verify_weights, stage.advance)
+        stage.note(stored_data_note(checked))
+    return Package(path, files, manifest, trust, frontend_assets, catalogs, checked)
+
+
+def stored_data_note(checked) -> str:
+    """The Verify stored data stage's result: what was checked, and what was not."""
+    from flare.ui.progress import format_bytes
+
+    if checked.weights_hashed or checked.sampled_bytes == checked.weight_bytes:
+        return f"every payload hashed: frontend, graphs and all weights ({format_bytes(checked.weight_bytes)})"
+    sampled = (f"{format_bytes(checked.sampled_bytes)} of {format_bytes(checked.weight_bytes)} of weights "
+               "hashed in sampled blocks" if checked.sampled else "no sampled weight hashes recorded")
+    return (f"sizes, headers, frontend and graph payloads checked; {sampled}; "
+            "the rest unhashed (--verify-weights hashes it)")
 
 
 def foreign_source_warning(path: Path, manifest: Any, cache_root: Path) -> str | None:
