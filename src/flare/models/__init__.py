@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flare.models.config import ModelConfig, RopeConfig
 from flare.models.errors import UnsupportedModel, WeightError
-from flare.models.loader import iter_safetensors, load_checkpoint, read_model_config
+from flare.models.loader import iter_safetensors, load_checkpoint, load_model, read_model_config
 from flare.models.registry import build_model
 
 __all__ = [
@@ -15,5 +15,6 @@ __all__ = [
     "build_model",
     "iter_safetensors",
     "load_checkpoint",
+    "load_model",
     "read_model_config",
 ]

@@ -31,18 +31,12 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     import torch
 
     from flare.engine.factory import attention_backend
-    from flare.models import ModelConfig, build_model
+    from flare.models import ModelConfig, load_model
 
     with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
         cfg = ModelConfig.from_hf_config(model.hf_config)
-        network = build_model(cfg, getattr(torch, model.dtype), device, attention_backend(device, cfg.head_dim))
-
-        def counted():
-            for name, tensor in model.iter_weights():
-                stage.advance(tensor.numel() * tensor.element_size())
-                yield name, tensor
-
-        network.load_hf_weights(counted())
+        network = load_model(cfg, model.iter_weights(), getattr(torch, model.dtype), device,
+                             attention_backend(device, cfg.head_dim), stage.advance)
         stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}")
     return cfg, network
 

@@ -30,7 +30,7 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     import torch
 
     from flare.engine.factory import LoadedModel, attention_backend, merge_token_ids
-    from flare.models import ModelConfig, build_model
+    from flare.models import ModelConfig, load_model
     from flare.package.reader import open_unverified
 
     package = open_unverified(Path(package_path))
@@ -40,15 +40,9 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
         compiled_note = background.submit(_load_compiled_artifacts, package) if on_cuda else None
         report(WeightsTotal(sum(r.size for r in package.weight_payloads())))
         cfg = ModelConfig.from_hf_config(package.hf_config)
-        model = build_model(cfg, getattr(torch, dtype), device, attention_backend(device, cfg.head_dim))
-
-        def counted():
-            for name, tensor in package.iter_weights(pinned=on_cuda):
-                report(WeightsRead(tensor.numel() * tensor.element_size()))
-                yield name, tensor
-
         started = time.perf_counter()
-        model.load_hf_weights(counted())
+        model = load_model(cfg, package.iter_weights(pinned=on_cuda), getattr(torch, dtype), device,
+                           attention_backend(device, cfg.head_dim), lambda count: report(WeightsRead(count)))
         report(WeightsLoaded(time.perf_counter() - started))
         if compiled_note is not None:
             report(PrepareNote(compiled_note.result()))
