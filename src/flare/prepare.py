@@ -146,8 +146,11 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         from flare.package import weights as wt
         files = wt.checkpoint_tensor_files(source.directory)
         groups = wt.group_by_payload(files)
+        if device == "cpu":
+            _load_through_model(source.directory, dtype)
         phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
-                   f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}")
+                   f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}"
+                   + ("; loaded into the model" if device == "cpu" else ""))
     workers = options.compile_workers or settings.config.preparation.compile_workers
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
@@ -182,6 +185,18 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
                    f"{format_bytes(counts['bytes'])}; signed by {identity.namespace}")
     _write_initial_config(settings, recipe, plan)
     return entry
+
+
+def _load_through_model(checkpoint_dir: Path, dtype: str) -> None:
+    """Load the checkpoint into the model once, as serving will, so that a tensor the model cannot take
+    fails the export (a WeightError, exit 5, naming it) rather than `flare run`. On a GPU the compile
+    phase's warm-up loads it the same way."""
+    import torch
+
+    from flare.engine.factory import attention_backend
+    from flare.models import load_checkpoint
+
+    load_checkpoint(checkpoint_dir, getattr(torch, dtype), "cpu", attention_backend("cpu"))
 
 
 def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: PhaseProgress,

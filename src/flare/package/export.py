@@ -145,13 +145,16 @@ def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source,
         ("dtype", spec.plan.dtype, old.plan.dtype),
         ("tensor-parallel size", spec.plan.tensor_parallel, old.plan.tensor_parallel),
         ("checkpoint config", spec.hf_config, old.checkpoint.config)) if ours != theirs]
-    expected = set(wt.group_by_payload(wt.checkpoint_tensor_files(spec.checkpoint_dir)))
+    files = wt.checkpoint_tensor_files(spec.checkpoint_dir)
+    groups = wt.group_by_payload(files)
     reused = old.weight_payloads()
-    if {record.name for record in reused} != expected:
+    if {record.name for record in reused} != set(groups):
         mismatches.append("weight payload layout")
     if mismatches:
         raise PreparationError(f"--reuse-weights: the cached default version {source.label} differs in "
                                f"{', '.join(mismatches)}; export without --reuse-weights")
+    for record in reused:
+        _check_reused_tensors(record, wt.planned_tensors(groups[record.name], files, spec.plan.dtype), source.label)
     for record in reused:
         if not cache.has_blob(record.sha256):
             raise PreparationError(f"--reuse-weights: payload {record.name} ({record.sha256[:12]}…) is "
@@ -160,6 +163,26 @@ def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source,
         if hooks.on_payload:
             hooks.on_payload(record.name, record.size, True)
     return list(reused)
+
+
+def _check_reused_tensors(record: PayloadRecord, planned: tuple, label: str) -> None:
+    """A reused payload must hold exactly the tensors this export would write: the same names, stored
+    dtypes, shapes (payload tensors are contiguous, so the same strides) and placement."""
+    if record.tensors is None:
+        raise PreparationError(f"--reuse-weights: the cached default version {label} records no tensor list for "
+                               f"{record.name} (it was exported before tensor lists were signed), so its shapes "
+                               "cannot be compared; export without --reuse-weights")
+    for cached, wanted in zip(record.tensors, planned):
+        if cached != wanted:
+            raise PreparationError(
+                f"--reuse-weights: {record.name} of the cached default version {label} holds {cached.name} as "
+                f"{cached.dtype} {list(cached.shape)} at {list(cached.data_offsets)}; this export writes "
+                f"{wanted.name} as {wanted.dtype} {list(wanted.shape)} at {list(wanted.data_offsets)}. "
+                "Export without --reuse-weights")
+    if len(record.tensors) != len(planned):
+        raise PreparationError(f"--reuse-weights: {record.name} of the cached default version {label} holds "
+                               f"{len(record.tensors)} tensors; this export writes {len(planned)}. "
+                               "Export without --reuse-weights")
 
 
 def _store(cache: ModelCache, tree: Path, name: str, kind: str, tensors, hooks: ExportHooks,

@@ -10,8 +10,9 @@ import msgspec
 from flare.errors import UsageError
 from flare.package.export import publisher_record, utc_now, write_signed_primary
 from flare.package.manifest import PromotedFrom
-from flare.package.signing import (DEVELOPMENT_NAMESPACE, SigningIdentity, ask_passphrase, generate_private_key,
-                                   load_private_key, private_key_pem, publishing_identity, write_owner_only)
+from flare.package.signing import (DEVELOPMENT_NAMESPACE, SigningIdentity, ask_passphrase, check_official_source,
+                                   generate_private_key, load_private_key, private_key_pem, publishing_identity,
+                                   write_owner_only)
 from flare.package.install import stage_payloads
 from flare.package.store import ModelCache
 
@@ -37,6 +38,7 @@ def keygen(key_path: Path, namespace: str, official_source: str,
     profile_path = key_path.parent / PROFILE_NAME
     if namespace == DEVELOPMENT_NAMESPACE:
         raise UsageError(f"namespace {DEVELOPMENT_NAMESPACE!r} is reserved for development keys")
+    check_official_source(official_source, namespace, "--official-source")
     for path in (key_path, profile_path):
         if path.exists():
             raise UsageError(f"{path} already exists; keygen never replaces a key or profile")

@@ -217,8 +217,27 @@ def publishing_identity(publishing: dict | None, config_dir: Path,
                          "a signing identity needs signing_key, namespace and official_source")
     if fields["namespace"] == DEVELOPMENT_NAMESPACE:
         raise UsageError(f"[publishing] namespace {DEVELOPMENT_NAMESPACE!r} is reserved for development keys")
+    source = official_source or fields["official_source"]
+    check_official_source(source, fields["namespace"], "--official-source" if official_source else
+                          "[publishing] official_source")
     key = load_private_key(Path(fields["signing_key"]).expanduser())
-    return SigningIdentity(key, fields["namespace"], official_source or fields["official_source"])
+    return SigningIdentity(key, fields["namespace"], source)
+
+
+def check_official_source(url: str, namespace: str, setting: str) -> None:
+    """An official source is a published repository URL under the publisher's namespace (spec: "Published
+    repository URL under the configured publisher namespace"): http(s)://HOST/NAMESPACE/REPOSITORY, whose
+    NAMESPACE is the signing namespace. `flare run` fetches publisher.json there to confirm identity, so a
+    source under another namespace would let one publisher's package claim another's repository."""
+    from urllib.parse import urlparse
+
+    parts = urlparse(url)
+    segments = [segment for segment in parts.path.split("/") if segment]
+    if parts.scheme not in ("https", "http") or not parts.netloc or len(segments) != 2:
+        raise UsageError(f"{setting} {url!r} is not a repository URL; give https://huggingface.co/{namespace}/NAME")
+    if segments[0].casefold() != namespace.casefold():
+        raise UsageError(f"{setting} {url} is under {segments[0]!r}, not the publisher namespace {namespace!r}; "
+                         f"give a repository under it, such as https://huggingface.co/{namespace}/{segments[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ token embedding to `weights/embed`, everything else (final norm, lm_head) to `we
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Iterator
 
 from flare.errors import PreparationError
 from flare.package import safetensors_io as st
+from flare.package.manifest import TensorRecord
 
 _LAYER = re.compile(r"^(.*?)(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 # Prefixes under which a checkpoint keeps its language model's decoder layers.
@@ -91,6 +93,24 @@ def group_by_payload(names) -> dict[str, list[str]]:
     order = sorted(groups, key=lambda payload: (not payload.endswith("embed.safetensors"),
                                                 payload.endswith("head.safetensors"), payload))
     return {payload: groups[payload] for payload in order}
+
+
+def planned_tensors(names: list[str], files: dict[str, Path], dtype: str) -> tuple[TensorRecord, ...]:
+    """The tensor list export writes for the payload of these checkpoint tensors (names, stored dtypes,
+    shapes, offsets), from the checkpoint's headers alone: what `read_checkpoint_group` would lay out."""
+    entries: dict[str, st.TensorEntry] = {}
+    for path in sorted({files[name] for name in names}):
+        with open(path, "rb") as handle:
+            entries.update((entry.name, entry) for entry in st.read_header(handle, what=str(path)).tensors)
+    records, offset = [], 0
+    for name in names:
+        entry = entries[name]
+        code = _TORCH_TO_CODE[stored_dtype(name, dtype)] if _CODE_TO_TORCH.get(entry.dtype) in CAST_DTYPES \
+            else entry.dtype
+        size = st.DTYPE_SIZES[code] * math.prod(entry.shape)
+        records.append(TensorRecord(name, code, entry.shape, (offset, offset + size)))
+        offset += size
+    return tuple(records)
 
 
 def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str) -> list[st.TensorBytes]:
