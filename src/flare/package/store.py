@@ -2,12 +2,18 @@
 
     <root>/blobs/<sha256>.safetensors          immutable payload objects (read-only files)
     <root>/models/<model-key>/<version>/       published entries; payload files are hard links to blobs
-    <root>/refs/<model-key>                    the selected default version, one line
+    <root>/refs/<model-key>                    the selected default version, one line (see below)
     <root>/staging/<id>/                       an export being built; abandoned ones are reclaimed by gc
     <root>/locks/                              stable lock files (never deleted)
 
-An export builds its entry under staging/, links each payload into blobs/, renames the finished tree
-into models/ in one step, and only then writes the ref. A killed export therefore leaves only staging.
+Publication is one atomic step, the rename of a finished, synced staging tree into models/: before it
+there is nothing new in models/ and the default is unchanged; after it the entry is complete and, when
+it is to be selected, already the default. For that, the ref is written just before the rename in its
+pending form, two lines (the new version, then the previous default or an empty line), which reads as
+the new version once that entry exists and as the previous default until then; after the rename it is
+tidied to one line. A publication killed at any point therefore leaves either the complete selected
+entry or no entry (and only an abandoned staging tree, which gc reclaims). A pending ref found under the
+model's lock is stale (its writer died before the rename) and is settled to what it reads as.
 A blob whose link count is 1 is referenced by no entry and no staging tree, so gc may remove it.
 
 Leases: a process serving or inspecting an entry holds a shared `flock` on the entry's lease file;
@@ -180,30 +186,43 @@ class ModelCache:
         return self.blob_path(sha256).exists()
 
     def publish(self, staged_entry: Path, entry: EntryId, select: bool = True) -> Path:
-        """Rename a finished staging tree into models/ as `entry` (a version signed elsewhere)."""
+        """Publish a finished staging tree as `entry` (a version signed elsewhere), selected if asked."""
         with self.lock(f"model-{entry.model_key}"):
-            destination = self.entry_path(entry)
-            if destination.exists():
+            if self.entry_path(entry).exists():
                 raise UsageError(f"{entry} is already in {self.root}")
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(staged_entry, destination)
-            if select:
-                self._write_ref(entry)
-        return destination
+            return self._commit(staged_entry, entry, select)
 
     def publish_new_version(self, staged_entry: Path, model_key: str, finish: Callable[[str], None],
                             select: bool = True) -> Path:
         """Choose a fresh version under the model's lock, let `finish(version)` write the signed primary,
-        rename the staging tree into models/ in one step, then select it as the model's default."""
+        then publish the tree as that version, selected as the model's default if asked."""
         with self.lock(f"model-{model_key}"):
             entry = EntryId(model_key, self._fresh_version(model_key))
+            self._publication_step("publishing")
             finish(entry.version)
-            destination = self.entry_path(entry)
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(staged_entry, destination)
-            if select:
-                self._write_ref(entry)
+            self._publication_step("signed")
+            return self._commit(staged_entry, entry, select)
+
+    def _commit(self, staged_entry: Path, entry: EntryId, select: bool) -> Path:
+        """The atomic step (see the module's docstring), under the model's lock."""
+        self._settle_ref(entry.model_key)
+        _sync_tree(staged_entry)                        # complete on disk before it can be seen
+        destination = self.entry_path(entry)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        if select:
+            self._write_ref(entry, pending_over=self.default_version(entry.model_key) or "")
+            self._publication_step("ref-pending")
+        os.rename(staged_entry, destination)
+        _sync_directory(destination.parent)
+        self._publication_step("renamed")
+        if select:
+            self._write_ref(entry)
+            self._publication_step("selected")
         return destination
+
+    def _publication_step(self, step: str) -> None:
+        """Called at each step of a publication (publishing, signed, ref-pending, renamed, selected): a
+        seam where tests stop an export's process to check what each step leaves behind."""
 
     def _fresh_version(self, model_key: str) -> str:
         """A UTC timestamp, with a counter when several versions are published within one second."""
@@ -216,14 +235,39 @@ class ModelCache:
 
     # --- refs ---------------------------------------------------------------------------------
     def default_version(self, model_key: str) -> str | None:
+        """The selected version; a pending ref reads as its new version once that entry is published, as
+        the previous default (or none) until then."""
         try:
-            return (self.refs / model_key).read_text().strip() or None
+            lines = (self.refs / model_key).read_text().splitlines()
         except FileNotFoundError:
             return None
+        if not lines:
+            return None
+        if len(lines) >= 2 and not self._is_published(EntryId(model_key, lines[0].strip())):
+            return lines[1].strip() or None
+        return lines[0].strip() or None
+
+    def _is_published(self, entry: EntryId) -> bool:
+        return (self.entry_path(entry) / "model.safetensors").is_file()
+
+    def _settle_ref(self, model_key: str) -> None:
+        """Rewrite a stale pending ref (its publication died before its rename) as the one line it reads as."""
+        try:
+            lines = (self.refs / model_key).read_text().splitlines()
+        except FileNotFoundError:
+            return
+        if len(lines) < 2:
+            return
+        version = self.default_version(model_key)
+        if version is None:
+            self.clear_default(model_key)
+        else:
+            self._write_ref(EntryId(model_key, version))
 
     def select(self, entry: EntryId) -> None:
         with self.lock(f"model-{entry.model_key}"):
-            if not (self.entry_path(entry) / "model.safetensors").is_file():
+            self._settle_ref(entry.model_key)
+            if not self._is_published(entry):
                 raise UsageError(f"{entry} is not a published entry in {self.root}; "
                                  "`flare models list` shows the versions there are")
             self._write_ref(entry)
@@ -232,11 +276,18 @@ class ModelCache:
         with contextlib.suppress(FileNotFoundError):
             (self.refs / model_key).unlink()
 
-    def _write_ref(self, entry: EntryId) -> None:
+    def _write_ref(self, entry: EntryId, pending_over: str | None = None) -> None:
+        """Replace the model's ref atomically: `entry` selected, or (with `pending_over`, the previous
+        default or "") pending until `entry` is published."""
         self.refs.mkdir(parents=True, exist_ok=True)
         temporary = self.refs / f".{entry.model_key}.{uuid.uuid4().hex}"
-        temporary.write_text(entry.version + "\n")
+        text = entry.version + "\n" + (pending_over + "\n" if pending_over is not None else "")
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(temporary, self.refs / entry.model_key)
+        _sync_directory(self.refs)
 
     # --- listing and lookup -------------------------------------------------------------------
     def entries(self) -> list[EntryId]:
@@ -261,7 +312,7 @@ class ModelCache:
                                  + (f"; cached models: {', '.join(known)}" if known else
                                     "; the cache is empty — run `ignition export` first"))
         entry = EntryId(key, version)
-        if not (self.entry_path(entry) / "model.safetensors").is_file():
+        if not self._is_published(entry):
             raise UsageError(f"{entry} is not in {self.root}; `flare models list` shows what is")
         return entry
 
@@ -297,6 +348,7 @@ class ModelCache:
         if not path.is_dir():
             raise UsageError(f"{entry} is not in {self.root}; `flare models list` shows what is")
         with self.lock(f"model-{entry.model_key}"):
+            self._settle_ref(entry.model_key)
             selected = self.default_version(entry.model_key) == entry.version
             if selected and not clear_default:
                 raise UsageError(f"{entry} is the selected default of {entry.model_key}; select another "
@@ -339,6 +391,27 @@ class ModelCache:
                         blob.unlink()
                         removed_blobs.append(blob.stem)
         return {"removed_staging": removed_staging, "removed_blobs": removed_blobs, "reclaimed_bytes": reclaimed}
+
+
+def _sync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_tree(root: Path) -> None:
+    """Flush every file and directory under `root` to disk, so a rename of it publishes complete bytes
+    even across a crash (payload files are hard links to blobs: syncing either syncs both)."""
+    for directory, _, names in os.walk(root):
+        for name in names:
+            descriptor = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        _sync_directory(Path(directory))
 
 
 @contextlib.contextmanager
