@@ -142,15 +142,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         plan = msgspec.structs.replace(plan, tensor_parallel=max(1, len(selected)))
         phase.done(f"{_device_label(selected)}; {dtype}; "
                    f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}")
-    with progress.phase("Load weights") as phase:
-        from flare.package import weights as wt
-        files = wt.checkpoint_tensor_files(source.directory)
-        groups = wt.group_by_payload(files)
-        if device == "cpu":
-            _load_through_model(source.directory, dtype)
-        phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
-                   f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}"
-                   + ("; loaded into the model" if device == "cpu" else ""))
+    _load_weights(progress, source.directory, dtype, device)
     workers = options.compile_workers or settings.config.preparation.compile_workers
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
@@ -170,21 +162,42 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
             if hooks and hooks.on_payload:
                 hooks.on_payload(name, size, reused)
 
-        spec = ExportSpec(
-            model_id=recipe.model_id, served_names=recipe.served_names or (recipe.model_id,),
-            checkpoint_dir=source.directory, hf_config=hf_config, plan=plan, recipe_name=recipe.name,
-            recipe_alias=recipe.alias, checkpoint_repo=source.repo_id, checkpoint_revision=source.revision,
-            repository=options.repo_id or recipe.export_repository,
-            sampling=Sampling(_sampling_defaults(recipe, source.directory),
-                              {name: tuple(bounds) for name, bounds in recipe.sampling_ranges.items()}),
-            license=_license(source), preparation=msgspec.convert({"device": device, "phases": progress.summary()},
-                                                                  Preparation),
-            graphs=_graph_catalog(plan), compiled=prepared.artifacts if prepared else None)
+        preparation = msgspec.convert({"device": device, "phases": progress.summary()}, Preparation)
+        spec = _export_spec(source, recipe, options, hf_config, plan, preparation, prepared)
         entry = export_entry(spec, cache, identity, options.weight_mode, reuse_from, ExportHooks(on_payload))
         phase.done(f"{counts['written']} payloads written, {counts['reused']} reused, "
                    f"{format_bytes(counts['bytes'])}; signed by {identity.namespace}")
     _write_initial_config(settings, recipe, plan)
     return entry
+
+
+def _load_weights(progress: PhaseProgress, checkpoint_dir: Path, dtype: str, device: str) -> None:
+    """The Load weights phase: the checkpoint's tensors grouped into payloads and, on a CPU, loaded
+    through the model once (`_load_through_model`)."""
+    from flare.package import weights as wt
+
+    with progress.phase("Load weights") as phase:
+        files = wt.checkpoint_tensor_files(checkpoint_dir)
+        groups = wt.group_by_payload(files)
+        if device == "cpu":
+            _load_through_model(checkpoint_dir, dtype)
+        phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
+                   f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}"
+                   + ("; loaded into the model" if device == "cpu" else ""))
+
+
+def _export_spec(source: CheckpointSource, recipe: RecipeFacts, options: ExportOptions, hf_config: dict,
+                 plan: Plan, preparation: Preparation, prepared) -> ExportSpec:
+    """What the manifest will record of this preparation."""
+    return ExportSpec(
+        model_id=recipe.model_id, served_names=recipe.served_names or (recipe.model_id,),
+        checkpoint_dir=source.directory, hf_config=hf_config, plan=plan, recipe_name=recipe.name,
+        recipe_alias=recipe.alias, checkpoint_repo=source.repo_id, checkpoint_revision=source.revision,
+        repository=options.repo_id or recipe.export_repository,
+        sampling=Sampling(_sampling_defaults(recipe, source.directory),
+                          {name: tuple(bounds) for name, bounds in recipe.sampling_ranges.items()}),
+        license=_license(source), preparation=preparation, graphs=_graph_catalog(plan),
+        compiled=prepared.artifacts if prepared else None)
 
 
 def _load_through_model(checkpoint_dir: Path, dtype: str) -> None:
