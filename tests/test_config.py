@@ -64,7 +64,7 @@ def test_absent_default_file_supplies_nothing(isolated_home):
     config = load_config(None)
     assert config.path == isolated_home / ".config" / "flare" / "config.toml"
     assert config.config_dir == isolated_home / ".config" / "flare"
-    assert config.server.host == "127.0.0.1" and config.server.port == 8000 and config.server.api_key is None
+    assert config.server.host is None and config.server.port is None and config.server.api_key is None
     assert config.defaults.model is None and config.defaults.max_concurrency is None
     assert config.memory.reserve is None                 # absent: the package's reserve stays in force
     assert config.paths.hub_cache == isolated_home / ".cache" / "huggingface" / "hub"

@@ -5,8 +5,11 @@ file that is not TOML, an unknown key or an invalid value is a usage error namin
 section becomes a frozen dataclass; unset optional values are None so callers can tell "not
 configured" from a configured value equal to a default.
 
-Precedence is flags > this file > the recipe, and nothing else (`resolve_setting`). Flare reads no
-environment variable for any of these settings; `flare.environment` sets the ones libraries read.
+Precedence is flags > this file > the recipe (or the package, or a built-in default), and nothing
+else: every setting that more than one of them can give is declared once as a `Setting` and chosen
+by `resolve`, which checks a flag's value with the same parser as the file's and says where the
+chosen value came from. Flare reads no environment variable for any of these settings;
+`flare.environment` sets the ones libraries read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from flare.errors import UsageError
 from flare.memory import parse_size
@@ -37,8 +40,8 @@ def default_config_path() -> Path:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str | None = None                  # None: the listener's default, 127.0.0.1
+    port: int | None = None                  # None: 8000
     api_key: str | None = None               # None (or "" in the file): no authentication
 
 
@@ -83,6 +86,7 @@ class PrefixCacheConfig:
 
 @dataclass(frozen=True)
 class PathsConfig:
+    # Unlike the other sections, paths hold the default when the file sets none (`default_paths`).
     hub_cache: Path
     kernel_cache: Path
     package_cache: Path
@@ -137,35 +141,48 @@ class Config:
         return self.path.parent
 
     def model_overrides(self, names) -> dict[str, Any]:
-        """The [models."name"] values matching any of `names` (case-insensitive), merged.
+        """The [models."name"] values matching any of `names` (case-insensitive), merged."""
+        return {key: value for key, (value, _) in self._model_overrides(names).items()}
+
+    def _model_overrides(self, names) -> dict[str, tuple[Any, str]]:
+        """{key: (value, section name)} of the [models."name"] sections matching `names`.
 
         Two matching sections that set one key to different values are a usage error; a flag that
         supplies the value makes the question moot, so callers ask only for what no flag gave.
         """
         wanted = {name.lower() for name in names if name}
-        merged: dict[str, Any] = {}
-        origin: dict[str, str] = {}
+        merged: dict[str, tuple[Any, str]] = {}
         for section_name, overrides in self.models.items():
             if section_name.lower() not in wanted:
                 continue
             for key, value in vars(overrides).items():
                 if value is None:
                     continue
-                if key in merged and merged[key] != value:
+                if key in merged and merged[key][0] != value:
                     raise UsageError(
-                        f"{self.path}: models.{_quote(origin[key])}.{key} = {merged[key]} and "
+                        f"{self.path}: models.{_quote(merged[key][1])}.{key} = {merged[key][0]} and "
                         f"models.{_quote(section_name)}.{key} = {value} both match this model; "
                         f"remove one or pass the value as a flag")
-                merged[key] = value
-                origin[key] = section_name
+                merged.setdefault(key, (value, section_name))
         return merged
 
     def setting_for_model(self, key: str, names) -> Any:
         """A [models."name"] value for this model if one matches, else the [defaults] value (or None)."""
-        overrides = self.model_overrides(names)
-        if key in overrides:
-            return overrides[key]
-        return getattr(self.defaults, key)
+        found = self.file_value(f"defaults.{key}", names)
+        return found[0] if found is not None else None
+
+    def file_value(self, key: str, names: Iterable[str] = ()) -> tuple[Any, str] | None:
+        """The file's value for `key` ("section.name") and the key it was written under, or None when
+        the file does not set it. For a [defaults] key, a [models."name"] section matching one of
+        `names` (the model's canonical ID and aliases) wins."""
+        section, name = key.split(".", 1)
+        if section == "defaults":
+            overrides = self._model_overrides(names)
+            if name in overrides:
+                value, section_name = overrides[name]
+                return value, f"models.{_quote(section_name)}.{name}"
+        value = getattr(getattr(self, section), name)
+        return (value, key) if value is not None else None     # None: not set (an empty value is unset)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,6 +203,64 @@ def resolve_setting_source(flag: Any, configured: Any, recipe: Any) -> tuple[Any
         if value is not None:
             return value, source
     return None, None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting that a flag, the configuration file and a fallback (the recipe, the package or a
+    built-in default) can each give. `parse(value, where)` checks a flag's value as the file's values
+    are checked at load, with an error naming the flag."""
+
+    flag: str | None                          # "--max-concurrency"; None: the file only
+    key: str | None                           # "defaults.max_concurrency"; None: the command line only
+    parse: Callable[[Any, str], Any]
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A resolved setting: its value, where it came from ("flag", "config", "recipe" for any fallback, or
+    None when nothing gave it) and a phrase naming that for messages ("--max-concurrency 0",
+    "defaults.max_concurrency = 4 in /home/me/.config/flare/config.toml", "the recipe default 32")."""
+
+    value: Any
+    source: str | None
+    origin: str
+
+
+def resolve(setting: Setting, flag: Any, config: "Config | None", fallback: Any = None, *,
+            fallback_origin: str = "the recipe default", names: Iterable[str] = ()) -> Chosen:
+    """The one precedence rule: `flag` (None: not given) over the file's `setting.key` over `fallback`.
+
+    `names` (the model's canonical ID and aliases) select a [models."name"] override of a [defaults] key;
+    the file is not consulted when the flag gives the value, so conflicting model sections do not matter
+    then. A flag's value is checked by `setting.parse` (an explicit 0 is a value, and is refused where 0
+    is not allowed).
+    """
+    if flag is not None:
+        if setting.flag is None:
+            raise ValueError(f"{setting.key} has no flag")
+        return Chosen(setting.parse(flag, setting.flag), "flag", f"{setting.flag} {_shown(flag)}")
+    found = config.file_value(setting.key, names) if config is not None and setting.key else None
+    if found is not None:
+        value, key = found
+        return Chosen(value, "config", f"{key} = {_shown(value)} in {config.path}")
+    if fallback is not None:
+        return Chosen(fallback, "recipe", f"{fallback_origin} {_shown(fallback)}")
+    return Chosen(None, None, fallback_origin)
+
+
+def package_cache(flag: Path | None, config: "Config") -> Path:
+    """The prepared-model cache: --model-cache, then [paths] package_cache, then ~/.cache/flare/packages."""
+    return resolve(PACKAGE_CACHE, flag, config, default_paths().package_cache, fallback_origin="the default").value
+
+
+def check_flag(setting: Setting, value: Any) -> Any:
+    """A flag's value checked as `resolve` checks it (None: not given), for refusing it before work starts."""
+    return None if value is None else setting.parse(value, setting.flag)
+
+
+def _shown(value: Any) -> str:
+    return str(value) if isinstance(value, (int, float, Path)) and not isinstance(value, bool) else repr(value)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,7 +311,7 @@ def _optional_size(value, key):
 
 
 def _path(value, key):
-    text = _string(value, key)
+    text = str(value) if isinstance(value, Path) else _string(value, key)     # a flag's is a Path already
     if not text:
         raise UsageError(f"{key} must name a directory, not an empty string")
     return Path(text).expanduser()
@@ -268,6 +343,26 @@ def _endpoint(value, key):
     return text
 
 
+def _served_names(value, key):
+    names = tuple(name.strip() for name in value)
+    if not all(names):
+        raise UsageError(f"{key} must not be blank")
+    return names
+
+
+def _prefill_chunk(value, key):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 64 or value % 64:
+        raise UsageError(f"{key} must be a positive multiple of 64, not {value!r}")
+    return value
+
+
+def _memory_limit(value, key):
+    from flare.memory import parse_memory_limit
+
+    parse_memory_limit(value)                       # its errors name --memory-limit
+    return value
+
+
 _MODEL_KEYS = {"max_concurrency": _positive_int, "image_concurrency": _positive_int,
                "speculative_token_capacity": _positive_int, "speculative_graph_budget": _positive_int}
 
@@ -289,6 +384,23 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable]]] = {
 _PUBLISHING_KEYS = {"signing_key": _optional_path, "namespace": _optional_string,
                     "official_source": _optional_string}
 _KNOWN_SECTIONS = (*_SECTIONS, "publishing", "models")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The settings that more than one of a flag, the file and a fallback can give; each is chosen by `resolve`.
+
+MODEL = Setting("MODEL", "defaults.model", _string)
+MAX_CONCURRENCY = Setting("--max-concurrency", "defaults.max_concurrency", _positive_int)
+PREFILL_CHUNK = Setting("--prefill-chunk-size", None, _prefill_chunk)            # command line only
+COMPILE_WORKERS = Setting("--compile-workers", "preparation.compile_workers", _positive_int)
+HOST = Setting("--host", "server.host", _string)
+PORT = Setting("--port", "server.port", _port)
+API_KEY = Setting("--api-key-file", "server.api_key", _string)    # the flag gives the key its file holds
+MEMORY_RESERVE = Setting(None, "memory.reserve", _size)           # what export records as the package's
+SERVING_MEMORY = Setting("--memory-limit", "memory.reserve", _memory_limit)    # replaces the reserve
+SERVED_MODEL_NAME = Setting("--served-model-name", None, _served_names)   # replaces the package's aliases
+PACKAGE_CACHE = Setting("--model-cache", "paths.package_cache", _path)
+TOKEN_FILE = Setting("--token-file", "hub.token_file", _path)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -54,8 +54,10 @@ class HubOptions:
     @classmethod
     def from_config(cls, config: Config, *, token_file: Path | None = None, offline: bool = False) -> HubOptions:
         """Options from `[hub]` and `[paths] hub_cache`; an explicit `token_file` (a flag) wins over the file's."""
-        token_file = token_file or config.hub.token_file
-        token = read_token_file(Path(token_file)) if token_file else None
+        from flare.config import TOKEN_FILE, resolve
+
+        chosen = resolve(TOKEN_FILE, token_file, config).value
+        token = read_token_file(Path(chosen)) if chosen else None
         return cls(endpoint=config.hub.endpoint, token=token, cache_dir=config.paths.hub_cache, offline=offline)
 
     @property

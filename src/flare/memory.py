@@ -185,6 +185,31 @@ def check_gpu_selection(selection: Sequence[int], visible_count: int) -> None:
                              f"{visible_count} GPU{'s' if visible_count != 1 else ''}{where} visible")
 
 
+def narrow_visible_devices(selection: Sequence[int]) -> str:
+    """Set CUDA_VISIBLE_DEVICES to the selected GPUs in rank order, so that CUDA, started after this,
+    numbers them 0, 1, ...; indices are relative to the caller's own CUDA_VISIBLE_DEVICES when set (spec
+    §1: Flare sets the variables libraries read from its own settings). Returns the new value."""
+    visible = visible_devices()
+    value = ",".join(visible[index] if visible is not None else str(index) for index in selection)
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    return value
+
+
+def select_serving_gpus(selection: Sequence[int], ranks: int) -> None:
+    """`flare run --gpus`: the list must name one GPU per local rank of the package, each visible; CUDA
+    visibility is then narrowed to them before the serving driver starts."""
+    shown = format_gpus(selection)
+    if len(selection) != ranks:
+        raise UsageError(f"--gpus {shown} selects {len(selection)} GPU{'s' if len(selection) != 1 else ''}; "
+                         f"the model serves {ranks} local rank{'s' if ranks != 1 else ''}, one GPU each: give "
+                         f"{ranks} index{'es' if ranks != 1 else ''}, such as --gpus {format_gpus(range(ranks))}")
+    devices = _read_nvml()
+    if not devices:
+        raise UsageError(f"--gpus {shown}: no CUDA GPU is visible; omit --gpus to serve on the CPU")
+    check_gpu_selection(selection, len(devices))
+    narrow_visible_devices(selection)
+
+
 # ----------------------------------------------------------------------------------------------------
 # What the device has
 # ----------------------------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import msgspec
 
+from flare.config import (COMPILE_WORKERS, MAX_CONCURRENCY, MEMORY_RESERVE, PREFILL_CHUNK, check_flag, load_config,
+                          package_cache, resolve)
 from flare.errors import UsageError
+from flare.memory import parse_gpus
 from flare.package.export import ExportHooks, ExportSpec, export_entry
 from flare.package.manifest import GraphCatalog, License, Plan, Preparation, Sampling
 from flare.package.signing import publishing_identity
@@ -105,15 +108,23 @@ class CheckpointSource:
 
 def load_settings(config_path: Path | None) -> Settings:
     """The configuration file's values export needs (flare.config does the reading and validation)."""
-    from flare.config import load_config
     config = load_config(config_path)
     publishing = config.publishing
     return Settings(config_dir=config.config_dir, config_path=config.path,
                     publishing={"signing_key": str(publishing.signing_key), "namespace": publishing.namespace,
                                 "official_source": publishing.official_source} if publishing else {},
-                    package_cache=Path(config.paths.package_cache).expanduser(),
-                    memory_reserve_bytes=config.memory.reserve or 0, exists=config.path.is_file(),
-                    config=config)
+                    package_cache=package_cache(None, config),
+                    memory_reserve_bytes=resolve(MEMORY_RESERVE, None, config, 0).value,
+                    exists=config.path.is_file(), config=config)
+
+
+def check_flags(options: ExportOptions) -> None:
+    """Refuse a bad flag value before anything is read or downloaded (the checks `resolve` applies)."""
+    for setting, value in ((MAX_CONCURRENCY, options.max_concurrency), (PREFILL_CHUNK, options.prefill_chunk),
+                           (COMPILE_WORKERS, options.compile_workers)):
+        check_flag(setting, value)
+    if options.gpus is not None:
+        parse_gpus(options.gpus)
 
 
 def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportOptions = ExportOptions(),
@@ -123,8 +134,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     settings = load_settings(options.config_path)
     if options.weight_mode not in ("normal", "no-weights", "reuse-weights"):
         raise UsageError("--no-weights and --reuse-weights cannot be combined")
-    if options.compile_workers is not None and options.compile_workers < 1:
-        raise UsageError(f"--compile-workers {options.compile_workers}: give a positive number of processes")
+    check_flags(options)
     cache = ModelCache(options.cache_root or settings.package_cache)
     identity = publishing_identity(settings.publishing, settings.config_dir, options.official_source)
 
@@ -143,7 +153,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         phase.done(f"{_device_label(selected)}; {dtype}; "
                    f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}")
     _load_weights(progress, source.directory, dtype, device)
-    workers = options.compile_workers or settings.config.preparation.compile_workers
+    workers = resolve(COMPILE_WORKERS, options.compile_workers, settings.config).value    # None: automatic
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
@@ -266,7 +276,7 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
     from dataclasses import replace
     from flare.engine.config import serving_scratch_bytes
     from flare.estimate import MemoryEstimate, check_estimate, choose_gpus
-    from flare.memory import check_gpu_selection, engine_headroom, memory_budget, parse_gpus, read_device_memory
+    from flare.memory import check_gpu_selection, engine_headroom, memory_budget, read_device_memory
     from flare.memory import read_host_memory
     from flare.package import weights as wt
     from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
@@ -329,18 +339,14 @@ def _device_label(selected: tuple[int, ...]) -> str:
 
 def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str) -> Plan:
     """The plan for one GPU (the caller sets `tensor_parallel` once the GPUs are chosen)."""
-    configured = settings.config.setting_for_model("max_concurrency", (recipe.model_id, *recipe.served_names,
-                                                                        recipe.alias))
-    concurrency = options.max_concurrency or configured or recipe.default_concurrency
-    if not 1 <= concurrency <= recipe.max_concurrency:
-        raise UsageError(f"--max-concurrency {concurrency} is outside {recipe.name}'s range "
-                         f"1 through {recipe.max_concurrency}")
-    chunk = options.prefill_chunk or recipe.prefill_chunk
-    if options.prefill_chunk is not None and (chunk <= 0 or chunk % 64):
-        raise UsageError(f"--prefill-chunk-size {chunk} must be a positive multiple of 64")
+    concurrency = resolve(MAX_CONCURRENCY, options.max_concurrency, settings.config, recipe.default_concurrency,
+                          names=(recipe.model_id, *recipe.served_names, recipe.alias))
+    if not 1 <= concurrency.value <= recipe.max_concurrency:
+        raise UsageError(f"{concurrency.origin} is outside {recipe.name}'s range 1 through {recipe.max_concurrency}")
+    chunk = resolve(PREFILL_CHUNK, options.prefill_chunk, settings.config, recipe.prefill_chunk).value
     return Plan(dtype=dtype, page_size=recipe.page_size, prefill_chunk=chunk, compile=options.compile,
-                max_concurrency=concurrency,
-                decode_capacities=tuple(decode_capacities_for(recipe.decode_capacities, concurrency)),
+                max_concurrency=concurrency.value,
+                decode_capacities=tuple(decode_capacities_for(recipe.decode_capacities, concurrency.value)),
                 max_model_len=hf_config.get("max_position_embeddings"),
                 memory_reserve_bytes=settings.memory_reserve_bytes, tensor_parallel=1)
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from flare.config import Config
+from flare.config import MODEL, Config, resolve
 from flare.errors import UsageError
 from flare.hub import (
     CONFIG_NAME,
@@ -95,12 +95,12 @@ def resolve_model(model: str | None, config: Config, options: HubOptions | None 
 
     `options` replaces the hub settings `config` gives (a command's --token-file, tests' own hub).
     """
-    if model is None:
-        model = config.defaults.model
-        if not model:
-            raise UsageError(
-                "no MODEL given and defaults.model is not set in the configuration; name an alias, a "
-                "repository (org/name or org/name@revision) or a checkpoint directory")
+    model = resolve(MODEL, model, config).value
+    if not model:
+        raise UsageError(
+            f"no MODEL given and defaults.model is not set in {config.path}; name an alias (such as demo, "
+            "the built-in demonstration model), a repository (org/name or org/name@revision) or a "
+            "checkpoint directory")
     options = options or HubOptions.from_config(config)
     path = Path(model).expanduser()
     if path.is_dir():

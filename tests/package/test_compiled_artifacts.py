@@ -214,7 +214,7 @@ def test_no_compile_is_recorded_in_the_package_and_followed_when_serving(export,
 
 def test_compile_workers_must_be_positive(export):
     from flare.errors import UsageError
-    with pytest.raises(UsageError, match="--compile-workers 0"):
+    with pytest.raises(UsageError, match="--compile-workers must be a positive integer, not 0"):
         export(compile_workers=0)
 
 

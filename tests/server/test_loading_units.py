@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import socket
 
+from pathlib import Path
+
 import pytest
 
 from flare.errors import UsageError
@@ -84,13 +86,12 @@ def _model(**changes) -> ServedModel:
     return ServedModel(**values)
 
 
-class Config:
-    def __init__(self, configured=None, key=None):
-        self.configured = configured
-        self.server = type("Server", (), {"api_key": key})()
+def Config(configured=None, key=None):
+    """A configuration file that sets [defaults] max_concurrency and [server] api_key (None: unset)."""
+    from flare.config import Config as FileConfig, DefaultsConfig, ServerConfig
 
-    def setting_for_model(self, key, names):
-        return self.configured
+    return FileConfig(path=Path("config.toml"), defaults=DefaultsConfig(max_concurrency=configured),
+                      server=ServerConfig(api_key=key))
 
 
 def test_concurrency_precedence_and_the_prepared_capacity():

@@ -71,7 +71,9 @@ class DownloadOptions:
 
     @property
     def cache_root(self) -> Path:
-        return Path(self.model_cache or self.configuration.paths.package_cache).expanduser()
+        from flare.config import package_cache
+
+        return package_cache(self.model_cache, self.configuration)
 
     @property
     def transport_dir(self) -> Path:
@@ -93,19 +95,6 @@ class DownloadOptions:
         from flare.hub import HubOptions
         options = HubOptions.from_config(self.configuration, token_file=self.token_file)
         return replace(options, cache_dir=self.transport_dir)
-
-
-def parse_gpus(text: str | None) -> tuple[int, ...] | None:
-    """`--gpus 0,1,2,3` as device indices; each must be a distinct non-negative integer."""
-    if text is None:
-        return None
-    try:
-        gpus = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        gpus = ()
-    if not gpus or any(index < 0 for index in gpus) or len(set(gpus)) != len(gpus):
-        raise UsageError(f"--gpus {text}: give distinct device indices separated by commas, such as 0,1,2,3")
-    return gpus
 
 
 def parse_repository(text: str, revision: str | None = None) -> tuple[str, str | None]:

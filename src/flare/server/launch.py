@@ -35,42 +35,69 @@ class ListenerOptions:
     kv_cache_limit: str = "memory"
     memory_limit: str | None = None
     scheduler_policy: Any = None            # flare.engine.policy.SchedulerPolicy; None: balanced, defaults
+    gpus: tuple[int, ...] | None = None     # --gpus; None: the first visible GPU (or the CPU)
 
 
 # ---- settings from flags, configuration and the package ------------------------------------------------
 
 def serving_concurrency(flag: int | None, config: Any, model: ServedModel) -> int:
-    configured = None
-    if config is not None and flag is None:
-        configured = config.setting_for_model("max_concurrency", (model.canonical_id, *model.served_names))
-    concurrency = flag if flag is not None else configured if configured is not None else model.prepared_concurrency
-    origin = "--max-concurrency" if flag is not None else "max_concurrency in the configuration"
-    if concurrency < 1:
-        raise UsageError(f"{origin} must be at least 1, got {concurrency}")
-    if concurrency > model.prepared_concurrency:
-        raise UsageError(f"{origin} {concurrency} exceeds the package's prepared concurrency "
+    from flare.config import MAX_CONCURRENCY, resolve
+
+    concurrency = resolve(MAX_CONCURRENCY, flag, config, model.prepared_concurrency,
+                          fallback_origin="the package's prepared concurrency",
+                          names=(model.canonical_id, *model.served_names))
+    if concurrency.value > model.prepared_concurrency:
+        raise UsageError(f"{concurrency.origin} exceeds the package's prepared concurrency "
                          f"{model.prepared_concurrency} (the package was prepared for at most "
                          f"{model.prepared_concurrency}); choose --max-concurrency {model.prepared_concurrency} "
-                         f"or less, or export the package again with --max-concurrency {concurrency}")
-    return concurrency
+                         f"or less, or export the package again with --max-concurrency {concurrency.value}")
+    return concurrency.value
 
 
 def api_key(listener: ListenerOptions, config: Any) -> str | None:
+    from flare.config import API_KEY, resolve
     from flare.server.auth import read_api_key_file
 
-    if listener.api_key_file is not None:
-        return read_api_key_file(listener.api_key_file) or None     # an empty file disables auth
-    configured = getattr(getattr(config, "server", None), "api_key", None)
-    return configured or None
+    from_file = read_api_key_file(listener.api_key_file) if listener.api_key_file is not None else None
+    return resolve(API_KEY, from_file, config).value or None        # an empty key file disables auth
+
+
+def listener_address(listener: ListenerOptions, config: Any) -> tuple[str, int]:
+    from flare.config import HOST, PORT, resolve
+
+    return (resolve(HOST, listener.host, config, "127.0.0.1", fallback_origin="the default").value,
+            resolve(PORT, listener.port, config, 8000, fallback_origin="the default").value)
+
+
+def select_gpus(listener: ListenerOptions, ranks: int = 1) -> ListenerOptions:
+    """Narrow CUDA visibility to --gpus (one GPU per local rank; flare run serves single-rank packages),
+    before this process or the engine core starts CUDA; returns the options with the selection applied."""
+    from dataclasses import replace
+
+    from flare.memory import select_serving_gpus
+
+    if listener.gpus is None:
+        return listener
+    select_serving_gpus(listener.gpus, ranks)
+    return replace(listener, gpus=None)
+
+
+def serving_memory(listener: ListenerOptions, config: Any, model: ServedModel) -> tuple[str | None, int]:
+    """(--memory-limit, reserve): the flag replaces the configured [memory] reserve, which replaces the
+    package's serving reserve; the two are never subtracted together."""
+    from flare.config import SERVING_MEMORY, resolve
+
+    memory = resolve(SERVING_MEMORY, listener.memory_limit, config, model.memory_reserve_bytes,
+                     fallback_origin="the package's serving reserve")
+    return (memory.value, 0) if memory.source == "flag" else (None, memory.value)
 
 
 def served_names(listener: ListenerOptions, model: ServedModel) -> tuple[str, ...]:
-    if listener.served_model_name is None:
-        return model.served_names or (model.canonical_id,)
-    name = listener.served_model_name.strip()
-    if not name:
-        raise UsageError("--served-model-name must not be blank")
-    return (name,)
+    """--served-model-name replaces the package's aliases (spec §3.2); the canonical ID stays accepted."""
+    from flare.config import SERVED_MODEL_NAME, resolve
+
+    flag = (listener.served_model_name,) if listener.served_model_name is not None else None
+    return resolve(SERVED_MODEL_NAME, flag, None, model.served_names or (model.canonical_id,)).value
 
 
 # ---- serving ------------------------------------------------------------------------------------------
@@ -80,15 +107,15 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     """Everything after the model is known: engine, frontend, HTTP; returns when the server has drained."""
     from flare.server.frontend import ServingFrontend
 
+    listener_options = select_gpus(listener_options)
     concurrency = serving_concurrency(listener_options.max_concurrency, config, model)
     names, key = served_names(listener_options, model), api_key(listener_options, config)   # fail before loading
     if listener_options.kv_cache_limit not in KV_CACHE_LIMITS:
         raise UsageError(f"--kv-cache-limit must be one of {', '.join(KV_CACHE_LIMITS)}")
-    configured_reserve = getattr(getattr(config, "memory", None), "reserve", None)
-    reserve = configured_reserve if configured_reserve is not None else model.memory_reserve_bytes
+    memory_limit, reserve = serving_memory(listener_options, config, model)
+    host, port = listener_address(listener_options, config)
     device = serving_device()
-    pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, listener_options.memory_limit,
-                           reserve)
+    pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve)
     engine_config = serving_engine_config(model, concurrency, pool, listener_options.scheduler_policy)
     start = start_engine_process if model.package_path is not None else start_in_process
     engine, tokenizer = start(model, engine_config, device, stages)
@@ -97,9 +124,6 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
             frontend = ServingFrontend.from_dir(model.frontend_dir, tokenizer)
             stage.note("the model's chat template" if frontend.chat_template.from_model
                        else "no chat template: plain role-prefixed chat layout")
-        server_config = getattr(config, "server", None)
-        host = listener_options.host or getattr(server_config, "host", None) or "127.0.0.1"
-        port = listener_options.port if listener_options.port is not None else getattr(server_config, "port", 8000)
         settings = ServerSettings(served_names=names, canonical_id=model.canonical_id,
                                   max_model_len=engine_config.max_model_len, max_concurrency=concurrency,
                                   kv_tokens=pool.tokens, api_key=key, sampling=model.sampling)
@@ -260,10 +284,24 @@ class DebugOptions:
     served_names: tuple[str, ...]
     listener: ListenerOptions = ListenerOptions()
     config: Any = None
-    recipe_concurrency: int = 8
+    recipe_concurrency: int = 8                # the recipe's default concurrency
+    recipe_max_concurrency: int = 256          # and its limit
     page_size: int = 16
     prefill_chunk: int = 512
     sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
+    decode_capacities: tuple[int, ...] = ()    # the recipe's captured batch sizes; empty: the standard ones
+
+
+def _debug_concurrency(options: DebugOptions) -> int:
+    """--max-concurrency, then the configuration, then the recipe default, within the recipe's range."""
+    from flare.config import MAX_CONCURRENCY, resolve
+
+    concurrency = resolve(MAX_CONCURRENCY, options.listener.max_concurrency, options.config,
+                          options.recipe_concurrency, names=(options.canonical_id, *options.served_names))
+    if concurrency.value > options.recipe_max_concurrency:
+        raise UsageError(f"{concurrency.origin} is outside the recipe's range 1 through "
+                         f"{options.recipe_max_concurrency}")
+    return concurrency.value
 
 
 def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
@@ -274,16 +312,17 @@ def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
 
     stream = stream or sys.stderr
     stages = StageReporter(stream)
+    listener = select_gpus(options.listener)          # before the device is first asked for
     directory = Path(options.checkpoint_dir)
     hf_config = json.loads((directory / "config.json").read_text())
-    concurrency = options.listener.max_concurrency or options.recipe_concurrency
+    concurrency = _debug_concurrency(options)
     model = ServedModel(
         canonical_id=options.canonical_id, served_names=options.served_names, hf_config=hf_config,
         frontend_dir=directory, dtype="bfloat16" if serving_device() == "cuda" else "float32",
         page_size=options.page_size, prefill_chunk=options.prefill_chunk,
-        prepared_concurrency=max(concurrency, options.recipe_concurrency),
+        prepared_concurrency=concurrency, decode_capacities=options.decode_capacities,
         max_model_len=int(hf_config["max_position_embeddings"]),
         weight_bytes=sum(path.stat().st_size for path in safetensors_files(directory)),
         iter_weights=lambda: iter_safetensors(directory), sampling=options.sampling)
     lines = lambda: ["  debug-serve: diagnostic serving of a checkpoint; export a package for real serving"]
-    return serve(model, options.listener, options.config, stages, stream, lines)
+    return serve(model, listener, options.config, stages, stream, lines)

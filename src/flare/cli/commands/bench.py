@@ -55,15 +55,19 @@ def run(args) -> int:
 
     from flare.bench import cuda_event_timer, device_identity, run_bench
 
+    from flare.config import MAX_CONCURRENCY, resolve
+
     config = bench_config(args)
-    concurrency = args.max_concurrency or max(config.batches)
+    chosen = resolve(MAX_CONCURRENCY, args.max_concurrency, args.configuration, max(config.batches),
+                     fallback_origin="the largest batch", names=(args.model,) if args.model else ())
+    concurrency = chosen.value
     if concurrency < max(config.batches):
-        raise UsageError(f"--max-concurrency {concurrency} is below the largest batch {max(config.batches)}")
+        raise UsageError(f"{chosen.origin} is below the largest batch {max(config.batches)}")
     target, configuration = build_target(args, concurrency, max_context=max(config.contexts))
     output = Path(args.output) if args.output else None
     result = run_bench(target, config, cuda_event_timer(), device=device_identity(),
                        configuration={**configuration, "max_concurrency": concurrency,
-                                      "requested_concurrency": args.max_concurrency},
+                                      "requested_concurrency": concurrency if chosen.source in ("flag", "config") else None},
                        output=output)
     print(result.table())
     return 0
@@ -76,11 +80,11 @@ def build_target(args, concurrency: int, max_context: int):
 
     from flare.memory import parse_gpus
 
-    if not torch.cuda.is_available():
-        raise UsageError("ignition bench measures GPU decode steps with CUDA events and needs a CUDA GPU")
     gpus = parse_gpus(args.gpus) if args.gpus else (0,)
     if len(gpus) != 1:
-        raise UsageError(f"--gpus {args.gpus}: ignition bench runs on one local GPU")
+        raise UsageError(f"--gpus {args.gpus} selects {len(gpus)} GPUs; ignition bench runs on one local GPU")
+    if not torch.cuda.is_available():
+        raise UsageError("ignition bench measures GPU decode steps with CUDA events and needs a CUDA GPU")
     torch.cuda.set_device(gpus[0])
     directory = checkpoint_directory(args.model, args.configuration)
 

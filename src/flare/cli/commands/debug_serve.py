@@ -12,6 +12,9 @@ def configure(parser):
     parser.add_argument("model", nargs="?", metavar="MODEL",
                         help="recipe alias, Hugging Face repository id (org/name[@revision]) or checkpoint "
                              "directory (default: defaults.model)")
+    parser.add_argument("--gpus", metavar="LIST",
+                        help="GPU indices: 0, 0,1 or 0-3, relative to CUDA_VISIBLE_DEVICES when it is set; one GPU "
+                             "(default: the first visible GPU)")
     parser.add_argument("--host", metavar="ADDR", help="listening address (default: server.host, else 127.0.0.1)")
     parser.add_argument("--port", type=int, metavar="N", help="listening port (default: server.port, else 8000)")
     parser.add_argument("--max-concurrency", type=int, metavar="N",
@@ -23,9 +26,14 @@ def configure(parser):
 
 
 def run(args) -> int:
+    from flare.config import MAX_CONCURRENCY, PORT, check_flag
+    from flare.memory import parse_gpus
     from flare.server.launch import DebugOptions, ListenerOptions, debug_serve
     from flare.server.settings import SamplingPolicy
 
+    for setting, value in ((MAX_CONCURRENCY, args.max_concurrency), (PORT, args.port)):
+        check_flag(setting, value)                         # before MODEL is resolved or downloaded
+    gpus = parse_gpus(args.gpus) if args.gpus else None
     configuration = getattr(args, "configuration", None)
     if configuration is None:
         from flare.config import load_config
@@ -33,10 +41,12 @@ def run(args) -> int:
         configuration = load_config(getattr(args, "config", None))
     directory, facts = _resolve(args.model, configuration)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                               api_key_file=args.api_key_file, max_concurrency=args.max_concurrency)
+                               api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
+                               gpus=gpus)
     options = DebugOptions(checkpoint_dir=directory, canonical_id=facts.model_id,
                            served_names=facts.served_names or (facts.model_id,), listener=listener,
                            config=configuration, recipe_concurrency=facts.default_concurrency,
+                           recipe_max_concurrency=facts.max_concurrency, decode_capacities=facts.decode_capacities,
                            page_size=facts.page_size, prefill_chunk=facts.prefill_chunk,
                            sampling=SamplingPolicy(facts.sampling_defaults, facts.sampling_ranges))
     return debug_serve(options)

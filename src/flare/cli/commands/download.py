@@ -16,7 +16,7 @@ def configure(parser):
                         help="hub repository ORG/NAME[@REVISION] holding prepared Flare packages")
     add_download_arguments(parser)
     parser.add_argument("--gpus", metavar="LIST",
-                        help="GPU indices the package will serve on, such as 0,1,2,3; their count must match "
+                        help="GPU indices the package will serve on, such as 0, 0,1 or 0-3; their count must match "
                              "a tensor-parallel deployment of the package (revision detection by GPU family "
                              "does not apply: without a revision the default branch main is used)")
     if "--config" not in parser._option_string_actions:
@@ -49,13 +49,15 @@ def add_download_arguments(parser, serving: bool = False) -> None:
 
 def download_options_from_args(args):
     """DownloadOptions from parsed flags (of `flare download`, `flare models download` or `flare run`)."""
-    from flare.package.download import DownloadOptions, parse_gpus
+    from flare.memory import parse_gpus
+    from flare.package.download import DownloadOptions
 
     model_cache = getattr(args, "model_cache", None) or getattr(args, "global_model_cache", None)
+    gpus = getattr(args, "gpus", None)
     return DownloadOptions(config=getattr(args, "configuration", None), revision=getattr(args, "revision", None),
                            filename=getattr(args, "filename", None), cache_dir=getattr(args, "cache_dir", None),
                            token_file=getattr(args, "token_file", None), offline=bool(getattr(args, "offline", False)),
-                           model_cache=model_cache, gpus=parse_gpus(getattr(args, "gpus", None)))
+                           model_cache=model_cache, gpus=parse_gpus(gpus) if gpus else None)
 
 
 def run(args) -> int:

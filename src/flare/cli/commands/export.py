@@ -36,18 +36,19 @@ def configure(parser):
 
 
 def run(args) -> int:
-    from flare.prepare import ExportOptions, export_model
+    from flare.prepare import ExportOptions, check_flags, export_model
     from flare.ui.progress import PhaseProgress
 
     if args.repo_id is not None and args.repo_id.count("/") != 1:
         from flare.errors import UsageError
         raise UsageError(f"--repo-id {args.repo_id} is not NAMESPACE/REPOSITORY")
-    source, recipe = _resolve(args)
     options = ExportOptions(
         max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk_size, gpus=args.gpus,
         weight_mode="no-weights" if args.no_weights else "reuse-weights" if args.reuse_weights else "normal",
         repo_id=args.repo_id, official_source=args.official_source, publisher_keys=tuple(args.publisher_key),
         config_path=args.config, compile=not args.no_compile, compile_workers=args.compile_workers)
+    check_flags(options)                                   # before MODEL is resolved or downloaded
+    source, recipe = _resolve(args)
     entry = export_model(source, recipe, options, PhaseProgress(verbose=args.verbose))
     print(entry)
     return 0

@@ -61,9 +61,6 @@ def run(args) -> int:
 
 def model_cache_root(explicit: Path | None, configuration=None) -> Path:
     """--model-cache, then [paths] package_cache of the configuration, then ~/.cache/flare/packages."""
-    if explicit is not None:
-        return Path(explicit).expanduser()
-    if configuration is None:
-        from flare.config import load_config
-        configuration = load_config(None)
-    return Path(configuration.paths.package_cache).expanduser()
+    from flare.config import load_config, package_cache
+
+    return package_cache(explicit, configuration if configuration is not None else load_config(None))

@@ -18,6 +18,9 @@ def configure(parser):
                         help="file containing the serving API key; an empty file disables authentication "
                              "(default: [server] api_key, otherwise no authentication)")
     capacity = parser.add_argument_group("capacity and memory")
+    capacity.add_argument("--gpus", metavar="LIST",
+                          help="GPUs in rank order, such as 0, 0,1 or 0-3, relative to CUDA_VISIBLE_DEVICES when "
+                               "it is set; one per local rank of the package (default: the first visible GPU)")
     capacity.add_argument("--max-concurrency", type=int, metavar="N",
                           help="reduce concurrency within the package's prepared capacity "
                                "(default: model/default configuration, otherwise the package default)")
@@ -57,12 +60,18 @@ def run(args) -> int:
     from flare.package.trust import trust_options_from_args
     from flare.server.launch import ListenerOptions, RunOptions, run_package
 
+    from flare.config import MAX_CONCURRENCY, PORT, SERVING_MEMORY, check_flag
+    from flare.memory import parse_gpus
+
     policy = scheduler_policy_from_args(args)              # refuse a bad value before anything loads
+    for setting, value in ((MAX_CONCURRENCY, args.max_concurrency), (PORT, args.port),
+                           (SERVING_MEMORY, args.memory_limit)):
+        check_flag(setting, value)
     args.configuration = _configuration(args)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
                                kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit,
-                               scheduler_policy=policy)
+                               scheduler_policy=policy, gpus=parse_gpus(args.gpus) if args.gpus else None)
     options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
                          config=args.configuration, model_cache=args.model_cache,
                          download=download_options_from_args(args))
