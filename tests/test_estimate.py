@@ -9,8 +9,8 @@ import pytest
 
 from flare.errors import CapacityError
 from flare.estimate import (MemoryEstimate, capacity_error_from_oom, check_estimate, choose_gpus,
-                            gpu_selection_error, oom_as_capacity_error)
-from flare.memory import (GiB, DeviceMemory, memory_budget, parse_gpus, parse_memory_limit, parse_reserve)
+                            oom_as_capacity_error)
+from flare.memory import GiB, DeviceMemory, memory_budget, parse_gpus, parse_memory_limit, parse_size
 
 
 def gib(amount: float) -> int:
@@ -52,7 +52,7 @@ def options_of(error: CapacityError) -> list[str]:
 def fits_after(option: str, estimate: MemoryEstimate, devices, selected, reserve: int, limit=None) -> bool:
     """Apply one option to the settings and run the estimate again."""
     if option.startswith("[memory] reserve"):
-        reserve = parse_reserve(re.search(r'"(.*)"', option)[1])
+        reserve = parse_size(re.search(r'"(.*)"', option)[1], "[memory] reserve")
     elif option.startswith("--memory-limit"):
         limit = parse_memory_limit(option.split()[1])
     elif option.startswith("--max-concurrency"):
@@ -133,15 +133,6 @@ def test_gpus_are_chosen_at_the_smallest_tensor_parallel_size_that_fits():
         choose_gpus(replace(SPEC_EXAMPLE, weights_bytes=gib(900)), budgets, (1, 2, 4))
 
 
-def test_gpu_selection_form():
-    estimate = replace(SPEC_EXAMPLE, weights_bytes=gib(150))
-    budgets = [memory_budget(gpu(139), GiB) for _ in range(2)]
-    error = gpu_selection_error(estimate, (0,), budgets, (1, 2))
-    per_gpu = replace(estimate, tensor_parallel=2).requirement().total / GiB
-    assert str(error) == f"needs 2 GPUs with {per_gpu:.0f} GiB; 1 selected; use --gpus 0-1"
-    assert gpu_selection_error(estimate, (0,), budgets[:1], (1, 2)) is None
-
-
 class OutOfMemoryError(RuntimeError):
     """Stands in for torch.OutOfMemoryError, matched by name."""
 
@@ -174,23 +165,7 @@ def test_other_errors_pass_through_the_oom_guard():
 def test_oom_options_leave_room_for_the_failed_allocation():
     budgets = [memory_budget(gpu(95.6), GiB, reserve=gib(8))]
     error = capacity_error_from_oom(OutOfMemoryError(OOM_TEXT), SPEC_EXAMPLE, budgets)
-    reserve = parse_reserve(re.search(r'reserve = "(.*?)"', str(error))[1])
+    reserve = parse_size(re.search(r'reserve = "(.*?)"', str(error))[1], "[memory] reserve")
     room = memory_budget(gpu(95.6), GiB, reserve=reserve).available - SPEC_EXAMPLE.requirement().total
     before = budgets[0].available - SPEC_EXAMPLE.requirement().total
     assert reserve < gib(8) and room >= before + 2 * GiB
-
-
-def test_checkpoint_weight_bytes_come_from_headers_or_the_index(tmp_path):
-    import json as json_module
-
-    import torch
-    from safetensors.torch import save_file
-
-    from flare.estimate import checkpoint_weight_bytes
-
-    save_file({"a": torch.zeros(10, 4), "b": torch.zeros(3, dtype=torch.bfloat16)}, tmp_path / "one.safetensors")
-    save_file({"c": torch.zeros(5, dtype=torch.int64)}, tmp_path / "two.safetensors")
-    assert checkpoint_weight_bytes(tmp_path) == 10 * 4 * 4 + 3 * 2 + 5 * 8
-    (tmp_path / "model.safetensors.index.json").write_text(json_module.dumps(
-        {"metadata": {"total_size": 12345}, "weight_map": {"a": "one.safetensors"}}))
-    assert checkpoint_weight_bytes(tmp_path) == 12345

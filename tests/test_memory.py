@@ -9,7 +9,7 @@ import pytest
 
 from flare.errors import CapacityError, UsageError
 from flare.memory import (GiB, MiB, DeviceMemory, FixedCosts, KVGeometry, check_gpu_selection, engine_headroom,
-                          format_gpus, memory_budget, parse_gpus, parse_memory_limit, parse_reserve, parse_size,
+                          format_gpus, memory_budget, parse_gpus, parse_memory_limit, parse_size,
                           read_device_memory, read_host_memory, size_kv_pool)
 
 
@@ -46,10 +46,10 @@ def test_memory_limit_rejections_say_what_is_wrong(text, complaint):
 
 
 def test_reserve_accepts_bare_zero_and_sizes_only():
-    assert parse_reserve("0") == 0
-    assert parse_reserve("12G") == 12 * GiB
+    assert parse_size("0", "[memory] reserve") == 0
+    assert parse_size("12G", "[memory] reserve") == 12 * GiB
     with pytest.raises(UsageError, match=r"\[memory\] reserve"):
-        parse_reserve("12")
+        parse_size("12", "[memory] reserve")
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -172,7 +172,7 @@ def test_a_pool_below_its_minimum_fails_in_section_6_form():
     assert "has 60.0 GiB free − 1.0 GiB headroom − 35.0 GiB reserve = 24.0 GiB." in message
     assert 'Options: [memory] reserve = "32G"; --max-concurrency 1; --kv-cache-limit concurrency.' in message
     # Each option fits on its own.
-    size_kv_pool(memory_budget(DEVICE, GiB, reserve=parse_reserve("32G")), FIXED, GEOMETRY)
+    size_kv_pool(memory_budget(DEVICE, GiB, reserve=parse_size("32G", "[memory] reserve")), FIXED, GEOMETRY)
     size_kv_pool(budget, FIXED, KVGeometry(16, 128 * 1024, 32768, max_concurrency=1))
     assert size_kv_pool(budget, FIXED, GEOMETRY, "concurrency").pages == 512
     assert CapacityError.exit_code == 4

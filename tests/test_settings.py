@@ -182,3 +182,8 @@ def test_gpus_0_1_is_accepted_by_download(capsys, monkeypatch, command):
     code, out, err = _run(flare_main, capsys, *command, "Org/Model", "--gpus", "0-1")
     assert code == 0, err
     assert seen == {"gpus": (0, 1), "tensor_parallel": 2} and out.strip() == "/cache/entry"
+
+
+def test_export_refuses_a_publisher_key_it_would_not_use(capsys, tmp_path):
+    code, _, err = _run(ignition_main, capsys, "export", "Nobody/Nothing", "--publisher-key", tmp_path / "p.json")
+    assert code == 2 and "--publisher-key authenticates the cached version that --reuse-weights" in err

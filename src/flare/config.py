@@ -1,8 +1,10 @@
 """The configuration file (spec section 3.3): `~/.config/flare/config.toml` or `--config PATH`.
 
 Every key is optional. An absent default file supplies nothing; an explicitly named missing file, a
-file that is not TOML, an unknown key or an invalid value is a usage error naming the key. Each
-section becomes a frozen dataclass; unset optional values are None so callers can tell "not
+file that is not TOML, an unknown key or an invalid value is a usage error naming the key. A key the
+specification defines for a feature Flare does not implement yet ([prefix_cache], speculation,
+images, kernel and collective tuning, export staging) is refused by name, except at the value that
+leaves the feature off. Each section becomes a frozen dataclass; unset optional values are None so callers can tell "not
 configured" from a configured value equal to a default.
 
 Precedence is flags > this file > the recipe (or the package, or a built-in default), and nothing
@@ -25,9 +27,6 @@ from flare.errors import UsageError
 from flare.memory import parse_size
 
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
-AUTOTUNE_EFFORTS = ("off", "default", "audit")
-COLLECTIVE_TUNINGS = ("static", "runtime")
-DISK_TRANSPORTS = ("staged", "direct")
 
 
 def default_config_path() -> Path:
@@ -49,9 +48,6 @@ class ServerConfig:
 class DefaultsConfig:
     model: str | None = None
     max_concurrency: int | None = None
-    image_concurrency: int | None = None
-    speculative_token_capacity: int | None = None
-    speculative_graph_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -59,16 +55,11 @@ class ModelOverrides:
     """[models."name"]: per-model overrides of [defaults], matched against canonical ID and aliases."""
 
     max_concurrency: int | None = None
-    image_concurrency: int | None = None
-    speculative_token_capacity: int | None = None
-    speculative_graph_budget: int | None = None
 
 
 @dataclass(frozen=True)
 class PreparationConfig:
     compile_workers: int | None = None       # None: automatic, memory-bounded sizing
-    autotune_effort: str | None = None       # off | default | audit; None: "default"
-    collective_tuning: str | None = None     # static | runtime; None: the recipe's declaration
 
 
 @dataclass(frozen=True)
@@ -77,21 +68,11 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
-class PrefixCacheConfig:
-    memory: int | None = None                # host retention bytes; None: disabled
-    drain_on_shutdown: str = "off"           # on, off, or a duration such as "30s"
-    disk_limit: int | None = None            # None: 10% of free disk when disk retention is enabled
-    disk_transport: str = "staged"           # staged | direct
-
-
-@dataclass(frozen=True)
 class PathsConfig:
     # Unlike the other sections, paths hold the default when the file sets none (`default_paths`).
     hub_cache: Path
     kernel_cache: Path
     package_cache: Path
-    prefix_cache: Path | None = None         # None: disk retention disabled
-    export_staging: Path | None = None       # None: beside the package
     cuda: Path | None = None                 # None: libraries discover the system toolkit
 
 
@@ -126,7 +107,6 @@ class Config:
     defaults: DefaultsConfig = field(default_factory=DefaultsConfig)
     preparation: PreparationConfig = field(default_factory=PreparationConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     paths: PathsConfig = field(default_factory=default_paths)
     publishing: PublishingConfig | None = None
     hub: HubConfig = field(default_factory=HubConfig)
@@ -139,10 +119,6 @@ class Config:
     def config_dir(self) -> Path:
         """The file's directory: the development signing key and public profile live here."""
         return self.path.parent
-
-    def model_overrides(self, names) -> dict[str, Any]:
-        """The [models."name"] values matching any of `names` (case-insensitive), merged."""
-        return {key: value for key, (value, _) in self._model_overrides(names).items()}
 
     def _model_overrides(self, names) -> dict[str, tuple[Any, str]]:
         """{key: (value, section name)} of the [models."name"] sections matching `names`.
@@ -166,11 +142,6 @@ class Config:
                 merged.setdefault(key, (value, section_name))
         return merged
 
-    def setting_for_model(self, key: str, names) -> Any:
-        """A [models."name"] value for this model if one matches, else the [defaults] value (or None)."""
-        found = self.file_value(f"defaults.{key}", names)
-        return found[0] if found is not None else None
-
     def file_value(self, key: str, names: Iterable[str] = ()) -> tuple[Any, str] | None:
         """The file's value for `key` ("section.name") and the key it was written under, or None when
         the file does not set it. For a [defaults] key, a [models."name"] section matching one of
@@ -189,16 +160,12 @@ class Config:
 # Precedence
 
 
-def resolve_setting(flag: Any, configured: Any, recipe: Any) -> Any:
+def resolve_setting_source(flag: Any, configured: Any, recipe: Any) -> tuple[Any, str | None]:
     """Flags override the configuration file, which overrides the recipe. Nothing else exists.
 
-    None means "not given"; any other value, including 0, False and "", counts as given.
+    None means "not given"; any other value, including 0, False and "", counts as given. Returns the
+    value and where it came from: "flag", "config", "recipe" or None. `resolve` is how settings use it.
     """
-    return resolve_setting_source(flag, configured, recipe)[0]
-
-
-def resolve_setting_source(flag: Any, configured: Any, recipe: Any) -> tuple[Any, str | None]:
-    """As `resolve_setting`, also naming where the value came from: "flag", "config", "recipe" or None."""
     for value, source in ((flag, "flag"), (configured, "config"), (recipe, "recipe")):
         if value is not None:
             return value, source
@@ -236,17 +203,17 @@ def resolve(setting: Setting, flag: Any, config: "Config | None", fallback: Any 
     then. A flag's value is checked by `setting.parse` (an explicit 0 is a value, and is refused where 0
     is not allowed).
     """
-    if flag is not None:
-        if setting.flag is None:
-            raise ValueError(f"{setting.key} has no flag")
-        return Chosen(setting.parse(flag, setting.flag), "flag", f"{setting.flag} {_shown(flag)}")
-    found = config.file_value(setting.key, names) if config is not None and setting.key else None
-    if found is not None:
-        value, key = found
-        return Chosen(value, "config", f"{key} = {_shown(value)} in {config.path}")
-    if fallback is not None:
-        return Chosen(fallback, "recipe", f"{fallback_origin} {_shown(fallback)}")
-    return Chosen(None, None, fallback_origin)
+    if flag is not None and setting.flag is None:
+        raise ValueError(f"{setting.key} has no flag")
+    found = None
+    if flag is None and config is not None and setting.key is not None:
+        found = config.file_value(setting.key, names)
+    value, source = resolve_setting_source(flag, found[0] if found else None, fallback)
+    if source == "flag":
+        return Chosen(setting.parse(value, setting.flag), source, f"{setting.flag} {_shown(value)}")
+    if source == "config":
+        return Chosen(value, source, f"{found[1]} = {_shown(value)} in {config.path}")
+    return Chosen(value, source, f"{fallback_origin} {_shown(value)}" if source else fallback_origin)
 
 
 def package_cache(flag: Path | None, config: "Config") -> Path:
@@ -265,9 +232,6 @@ def _shown(value: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Values
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$", re.IGNORECASE)
 
 
 def _string(value, key):
@@ -292,21 +256,7 @@ def _port(value, key):
     return value
 
 
-def _choice(*options: str) -> Callable:
-    def parse(value, key):
-        if value not in options:
-            raise UsageError(f"{key} must be one of {', '.join(options)}, not {value!r}")
-        return value
-    return parse
-
-
 def _size(value, key):
-    return parse_size(value, key)
-
-
-def _optional_size(value, key):
-    if value == "":
-        return None
     return parse_size(value, key)
 
 
@@ -322,18 +272,24 @@ def _optional_path(value, key):
     return Path(text).expanduser() if text else None
 
 
-def _drain(value, key):
-    text = _string(value, key).strip().lower()
-    if text in ("on", "off") or _DURATION.match(text):
-        return text
-    raise UsageError(f"{key} must be on, off or a duration such as \"30s\", not {value!r}")
+class _Unsupported:
+    """The parser of a key the specification defines and Flare does not implement yet: it accepts only the
+    value that leaves the feature off (or none at all) and refuses anything else, saying so."""
+
+    def __init__(self, reason: str, off: Any = None) -> None:
+        self.reason, self.off = reason, off
+
+    def __call__(self, value, key):
+        if self.off is not None and value == self.off:
+            return None                           # the feature's "off" value: nothing to do
+        accepted = f" or set it to {self.off!r}" if self.off is not None else ""
+        raise UsageError(f"{key} = {value!r} is not supported yet: {self.reason}; remove the key{accepted}")
 
 
-def _disk_transport(value, key):
-    text = _string(value, key)
-    if text == "":
-        return "staged"
-    return _choice(*DISK_TRANSPORTS)(text, key)
+_HOST_RETENTION = _Unsupported("host retention of prefix-cache pages (memory or disk) is not implemented; "
+                               "cached prefixes stay in the GPU's KV pages", off="")
+_NO_SPECULATION = _Unsupported("speculative decoding is not implemented (no recipe here has a draft model)")
+_NO_IMAGES = _Unsupported("no recipe here serves images")
 
 
 def _endpoint(value, key):
@@ -363,21 +319,28 @@ def _memory_limit(value, key):
     return value
 
 
-_MODEL_KEYS = {"max_concurrency": _positive_int, "image_concurrency": _positive_int,
-               "speculative_token_capacity": _positive_int, "speculative_graph_budget": _positive_int}
+_MODEL_KEYS = {"max_concurrency": _positive_int, "image_concurrency": _NO_IMAGES,
+               "speculative_token_capacity": _NO_SPECULATION, "speculative_graph_budget": _NO_SPECULATION}
 
-# section -> (dataclass, {key: parser})
+# section -> (dataclass, {key: parser}); a section with no dataclass holds only keys not supported yet
 _SECTIONS: dict[str, tuple[type, dict[str, Callable]]] = {
     "server": (ServerConfig, {"host": _string, "port": _port, "api_key": _optional_string}),
     "defaults": (DefaultsConfig, {"model": _optional_string, **_MODEL_KEYS}),
-    "preparation": (PreparationConfig, {"compile_workers": _positive_int,
-                                        "autotune_effort": _choice(*AUTOTUNE_EFFORTS),
-                                        "collective_tuning": _choice(*COLLECTIVE_TUNINGS)}),
+    "preparation": (PreparationConfig, {
+        "compile_workers": _positive_int,
+        "autotune_effort": _Unsupported("kernel tuning is not implemented: no kernel here has candidates "
+                                        "to race, each uses its heuristic configuration"),
+        "collective_tuning": _Unsupported("tensor parallelism, whose collectives it tunes, is not implemented")}),
     "memory": (MemoryConfig, {"reserve": _size}),
-    "prefix_cache": (PrefixCacheConfig, {"memory": _optional_size, "drain_on_shutdown": _drain,
-                                         "disk_limit": _optional_size, "disk_transport": _disk_transport}),
+    "prefix_cache": (None, {"memory": _HOST_RETENTION, "disk_limit": _HOST_RETENTION,
+                            "disk_transport": _HOST_RETENTION,
+                            "drain_on_shutdown": _Unsupported(_HOST_RETENTION.reason, off="off")}),
     "paths": (PathsConfig, {"hub_cache": _path, "kernel_cache": _path, "package_cache": _path,
-                            "prefix_cache": _optional_path, "export_staging": _optional_path,
+                            "prefix_cache": _HOST_RETENTION,
+                            "export_staging": _Unsupported("exports stage in the cache's own staging/ folder, "
+                                                           "on the cache's disk (multi-host exports, which "
+                                                           "assemble rank files there, are not implemented)",
+                                                           off=""),
                             "cuda": _optional_path}),
     "hub": (HubConfig, {"endpoint": _endpoint, "token_file": _optional_path}),
 }
@@ -434,11 +397,10 @@ def _build(config_path: Path, document: dict[str, Any]) -> Config:
             raise UsageError(f"unknown section or key {name!r}; the sections are {', '.join(_KNOWN_SECTIONS)}")
         if not isinstance(value, dict):
             raise UsageError(f"{name} must be a table ([{name}]), not {value!r}")
-    sections = {name: _section(name, document.get(name, {}), parsers, cls)
-                for name, (cls, parsers) in _SECTIONS.items() if name != "paths"}
-    paths_values = _values("paths", document.get("paths", {}), _SECTIONS["paths"][1])
-    paths = default_paths()
-    paths = PathsConfig(**{**vars(paths), **paths_values})
+    values = {name: _values(name, document.get(name, {}), parsers) for name, (_, parsers) in _SECTIONS.items()}
+    sections = {name: cls(**values[name]) for name, (cls, _) in _SECTIONS.items()
+                if cls is not None and name != "paths"}
+    paths = PathsConfig(**{**vars(default_paths()), **values["paths"]})
     return Config(path=config_path, paths=paths, publishing=_publishing(document.get("publishing", {})),
                   models=_models(document.get("models", {})), **sections)
 
@@ -449,12 +411,10 @@ def _values(section: str, table: dict[str, Any], parsers: dict[str, Callable]) -
         dotted = f"{section}.{key}"
         if key not in parsers:
             raise UsageError(f"unknown key {dotted}; [{section}] accepts {', '.join(parsers)}")
-        values[key] = parsers[key](value, dotted)
+        parsed = parsers[key](value, dotted)
+        if not isinstance(parsers[key], _Unsupported):          # an accepted "off" value leaves nothing
+            values[key] = parsed
     return values
-
-
-def _section(section: str, table: dict[str, Any], parsers: dict[str, Callable], cls: type):
-    return cls(**_values(section, table, parsers))
 
 
 def _publishing(table: dict[str, Any]) -> PublishingConfig | None:

@@ -15,12 +15,9 @@ All sizes are plain numbers (bytes), so this module knows nothing of recipes or 
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Iterator, Sequence
 
 from flare.errors import CapacityError
@@ -100,33 +97,6 @@ def supply_text(budget: Budget) -> str:
 def _error(requirement_text: str, budget: Budget, options: Sequence[str]) -> CapacityError:
     listed = "; ".join(options) if options else "none on these GPUs; the model needs a larger GPU"
     return CapacityError(f"{requirement_text}\n{INDENT}{supply_text(budget)}\n{INDENT}Options: {listed}.")
-
-
-def checkpoint_weight_bytes(directory: Path) -> int:
-    """Tensor bytes of a safetensors checkpoint, read from its index or file headers (no tensor data).
-
-    The index's metadata.total_size when it has one; otherwise each file's header, whose largest data
-    offset is the size of its tensor data.
-    """
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        document = json.loads(index.read_text())
-        total = (document.get("metadata") or {}).get("total_size")
-        if total:
-            return int(total)
-        files = sorted({directory / name for name in document["weight_map"].values()})
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    return sum(_safetensors_data_bytes(file) for file in files)
-
-
-def _safetensors_data_bytes(file: Path) -> int:
-    with open(file, "rb") as handle:
-        (header_size,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_size))
-    return max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-               default=0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,18 +200,6 @@ def choose_gpus(estimate: MemoryEstimate, all_budgets: Sequence[Budget],
     first = list(all_budgets[:smallest.tensor_parallel])
     raise _error(smallest.requirement().text(), min(first, key=lambda budget: budget.available),
                  _options(smallest, first, all_budgets, tensor_parallel_sizes))
-
-
-def gpu_selection_error(estimate: MemoryEstimate, selected: Sequence[int], all_budgets: Sequence[Budget],
-                        tensor_parallel_sizes: Sequence[int]) -> CapacityError | None:
-    """The §6 GPU-selection form, "needs 2 GPUs with 95 GiB; 1 selected; use --gpus 0-1", when more
-    GPUs than the selection would fit; None when no larger selection fits either."""
-    chosen = fitting_gpus(estimate, all_budgets, tensor_parallel_sizes, larger_than=len(selected))
-    if chosen is None:
-        return None
-    per_gpu = replace(estimate, tensor_parallel=len(chosen)).requirement().total
-    return CapacityError(f"needs {len(chosen)} GPUs with {per_gpu / GiB:.0f} GiB; {len(selected)} selected; "
-                         f"use --gpus {format_gpus(chosen)}")
 
 
 def pool_capacity_error(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,

@@ -124,11 +124,6 @@ def _is_bare_number(text: str) -> bool:
     return True
 
 
-def parse_reserve(text: str) -> int:
-    """`[memory] reserve`: GPU memory left free for processes started later ("0", "12G")."""
-    return parse_size(text, "[memory] reserve")
-
-
 def parse_kv_cache_limit(text: str) -> KVCacheLimit:
     if text not in KV_CACHE_LIMITS:
         raise UsageError(f"--kv-cache-limit {text}: choose one of {', '.join(KV_CACHE_LIMITS)}")

@@ -157,10 +157,6 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
-    if settings.config.paths.export_staging is not None:
-        progress.line(f"note: [paths] export_staging ({settings.config.paths.export_staging}) is the workspace of "
-                      f"multi-host exports; this single-host export stages in {cache.staging}, on the cache's own "
-                      "disk, so its payloads become hard links to their blobs")
     with progress.phase("Export package") as phase:
         counts = {"written": 0, "reused": 0, "bytes": 0}
 

@@ -1,4 +1,4 @@
-"""The decode gemv kernel against its torch reference, and the switch that routes the model's layers to it."""
+"""The decode gemv kernel (measured by benchmarks/gemv_bench.py) against its torch reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flare.kernels import gemv as gemv_module
 from flare.kernels.gemv import MAX_ROWS, GemvConfig, default_config, gemv, gemv_reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -86,71 +85,3 @@ def test_default_config_splits_k_only_when_the_grid_is_small():
     assert default_config(1, 128256, 4096).split_k == 1        # thousands of tiles already
     assert default_config(1, 4096, 1024).split_k == 1          # K too short to split
     assert not default_config(1, 4096, 4096).use_dot and default_config(8, 4096, 4096).use_dot
-
-
-@pytest.fixture
-def gemv_switch():
-    from flare.kernels import routing
-    yield routing
-    routing.enable(False)
-
-
-def counting_gemv(monkeypatch):
-    calls = []
-    original = gemv_module.gemv
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(gemv_module, "gemv", counted)
-    return calls
-
-
-def test_switch_routes_decode_sized_linear_through_the_op(kernel_device, gemv_switch, monkeypatch):
-    from flare.models.layers import LMHead, plain_linear
-
-    linear = plain_linear(64, 24, bias=True).to(kernel_device)
-    head = LMHead(40, 64, tied_to=None).to(kernel_device)
-    for param in (linear.weight, linear.bias, head.weight):
-        param.data.normal_()
-    calls = counting_gemv(monkeypatch)
-    decode, prefill = torch.randn(4, 64, device=kernel_device), torch.randn(MAX_ROWS + 1, 64, device=kernel_device)
-    expected = [torch.nn.functional.linear(decode, linear.weight, linear.bias),
-                torch.nn.functional.linear(decode, head.weight).float()]
-
-    assert not gemv_switch.enabled()
-    linear(decode), head(decode)
-    assert calls == []                                                   # off by default
-
-    gemv_switch.enable(True, devices=(kernel_device,))
-    assert gemv_switch.enabled()
-    routed = [linear(decode), head(decode)]
-    assert calls == [(4, 64), (4, 64)]
-    for out, ref in zip(routed, expected):
-        assert relative_error(out, ref) < 1e-5
-    assert routed[1].dtype == torch.float32
-    linear(prefill)
-    assert len(calls) == 2                                               # too many rows: F.linear
-
-
-def test_switch_ignores_other_devices(gemv_switch):
-    gemv_switch.enable(True)                       # cuda only
-    assert not gemv_switch.routes_to_gemv(torch.randn(1, 8))
-
-
-def test_compiled_linear_calls_the_op_without_a_graph_break(kernel_device, gemv_switch, monkeypatch):
-    """torch.compile traces the custom op as one opaque call (fullgraph fails on any break)."""
-    from flare.models.layers import plain_linear
-
-    linear = plain_linear(64, 24, bias=True).to(kernel_device)
-    for param in (linear.weight, linear.bias):
-        param.data.normal_()
-    gemv_switch.enable(True, devices=(kernel_device,))
-    calls = counting_gemv(monkeypatch)
-    compiled = torch.compile(linear, backend="eager", fullgraph=True, dynamic=True)
-    for rows in (2, 5):
-        x = torch.randn(rows, 64, device=kernel_device)
-        expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
-        assert relative_error(compiled(x), expected) < 1e-5
-    assert [shape[0] for shape in calls] == [2, 5]

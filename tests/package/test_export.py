@@ -200,14 +200,12 @@ def test_a_full_disk_is_a_preparation_error_and_publishes_nothing(export, cache_
     assert not (cache_root / "models" / "stories260k").exists() or not any((cache_root / "models" / "stories260k").iterdir())
 
 
-def test_a_configured_export_staging_is_explained_not_silently_ignored(export, cache_root, tmp_path):
+def test_a_configured_export_staging_is_refused_not_silently_ignored(export, cache_root, tmp_path):
     config = tmp_path / "config.toml"
     config.write_text(f'[paths]\nexport_staging = "{tmp_path / "nas-staging"}"\n')
-    stream = io.StringIO()
-    entry = export(stream=stream, config_path=config)
-    assert entry.is_dir() and not (tmp_path / "nas-staging").exists()
-    assert f"export_staging ({tmp_path / 'nas-staging'}) is the workspace of multi-host exports" in stream.getvalue()
-    assert f"stages in {cache_root / 'staging'}" in stream.getvalue()
+    with pytest.raises(UsageError, match="paths.export_staging = .* is not supported yet"):
+        export(config_path=config)
+    assert not (tmp_path / "nas-staging").exists() and not (cache_root / "refs").exists()
 
 
 def test_a_failed_payload_stops_the_remaining_writes(export, monkeypatch):

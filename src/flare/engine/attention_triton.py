@@ -8,7 +8,8 @@ a step of 64 decodes beside a 1,000-token chunk spent 46% of its GPU time there 
 
 Code that torch.compile traces whole sees the work as one custom operator,
 `torch.ops.flare.paged_attention`, with no graph break; eager callers skip the operator's dispatch.
-Hot path: nothing here but dispatch."""
+Today no caller traces through it (see the note at the operator): it is the planned split point for
+piecewise compilation of prompt-carrying steps. Hot path: nothing here but dispatch."""
 
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 # The same function as one custom operator, for code that torch.compile traces whole. Eager callers use
 # the function itself: the operator's dispatch costs ~27 us a call on a CPU, once per layer of every
 # step run outside the graphs.
+#
+# Nothing traces through attention today: `engine.compile.compile_model` compiles each decoder layer
+# around it (the backend runs eagerly between the compiled pieces), so serving never reaches this
+# operator. It is kept on purpose as the split point of piecewise compilation for prompt-carrying
+# steps, which is planned next: the whole forward traced once and split at `flare::paged_attention`
+# (as vLLM partitions its compiled graph at the operators in `splitting_ops` for piecewise CUDA graphs),
+# so the pieces between attentions are compiled and captured while attention runs with the step's own
+# metadata. Its fake implementation below is what that tracing needs.
 paged_attention = torch.library.custom_op("flare::paged_attention", mutates_args=("kv_cache",))(
     run_paged_attention)
 

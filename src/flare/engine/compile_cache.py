@@ -8,7 +8,7 @@ before the layers are compiled, so torch.compile finds every graph cached: it st
 (a second or two) but generates and builds no kernels. Graphs themselves hold device addresses and are
 captured again at every start.
 
-Our own Triton kernels (paged attention, gemv) are not torch.compile's: Triton caches them on disk
+Our own Triton kernels (paged attention) are not torch.compile's: Triton caches them on disk
 itself. Preparation packs their cache entries too, and serving unpacks them into the local Triton cache,
 so a package served on a fresh machine of the same kind builds none of them either.
 
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flare.package.manifest import Plan
 
-KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention", "flare.kernels.gemv")
+KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention")
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,13 @@ Shapes:
     bias    [N] or None
     out     [..., N]  x's dtype
 
-flare.kernels.routing decides whether the model's Linear and LMHead layers call the custom operator
-`torch.ops.flare.gemv`; it is off by default.
+No layer calls it: on the H200 it matches cuBLAS (docs/performance.md, "Decode GEMV"), so the model's
+layers use F.linear. It is kept for `benchmarks/gemv_bench.py`, which measures it against cuBLAS.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import triton
@@ -216,16 +215,3 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
-
-
-# -- the custom operator: one opaque call for torch.compile -----------------------------------------------
-
-@torch.library.custom_op("flare::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """gemv with default_config, chosen here from the concrete shapes (so compile sees no branching)."""
-    return gemv(x, weight, bias)
-
-
-@gemv_op.register_fake
-def _gemv_shape(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))

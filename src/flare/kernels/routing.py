@@ -1,7 +1,8 @@
-"""Which of the model's matrix products run on our kernels instead of cuBLAS or torch.
+"""Which of the model's matrix products run on our kernels instead of cuBLAS or torch, kept apart from
+the kernels so the layers import no Triton: a CPU-only install has none.
 
-A switch the Linear and LMHead layers consult on every call, kept apart from the kernel so the layers
-import no Triton: a CPU-only install has none. Off by default; `enable` imports the kernel.
+Plain (bf16/fp16/fp32) products always take F.linear: our decode GEMV (flare.kernels.gemv) matched
+cuBLAS on the H200 (docs/performance.md), so no switch routes them to it.
 
 FP8 projections (flare.models.fp8) have no cuBLAS product to fall back on: on CUDA they always run our
 FP8 kernels (flare.kernels.fp8_linear); elsewhere the torch reference, unless `enable_fp8` routes
@@ -12,30 +13,7 @@ from __future__ import annotations
 
 import torch
 
-MAX_ROWS = 16                  # the kernel's limit: decode batches of up to 16 sequences
-
-_routed_devices: frozenset[str] = frozenset()
-
-
-def enable(on: bool = True, devices: tuple[str, ...] = ("cuda",)) -> None:
-    """Route products with at most MAX_ROWS rows on `devices` through gemv (off: F.linear everywhere).
-
-    Devices other than cuda only make sense under Triton's interpreter (tests)."""
-    global _routed_devices
-    if on:
-        import flare.kernels.gemv  # noqa: F401  (registers torch.ops.flare.gemv)
-    _routed_devices = frozenset(devices) if on else frozenset()
-
-
-def enabled() -> bool:
-    return bool(_routed_devices)
-
-
-def routes_to_gemv(x: torch.Tensor) -> bool:
-    """Whether a layer should call torch.ops.flare.gemv for input x: switched on, on a routed device,
-    few rows."""
-    return x.device.type in _routed_devices and x.numel() <= MAX_ROWS * x.shape[-1]
-
+MAX_ROWS = 16                  # the GEMV kernels' limit: decode batches of up to 16 sequences
 
 _fp8_routed_devices: frozenset[str] = frozenset({"cuda"})
 

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flare.kernels import routing
 from flare.models.errors import WeightError
 from flare.models.quantization import Fp8Weights
 
@@ -78,8 +77,6 @@ class Linear(nn.Module):
         self.bias = _parameter(out_features, shard_sizes=shard_sizes) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if routing.routes_to_gemv(x):               # decode-sized x with the gemv switch on
-            return torch.ops.flare.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -150,6 +147,4 @@ class LMHead(nn.Module):
         load_rows(self.weight, tensor, None, name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if routing.routes_to_gemv(hidden):
-            return torch.ops.flare.gemv(hidden, self.matrix, None).float()
         return F.linear(hidden, self.matrix).float()

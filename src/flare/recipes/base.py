@@ -81,7 +81,6 @@ class Speculation:
     available: bool
     default_draft_tokens: int
     max_draft_tokens: int
-    history_drafts: bool = False
     note: str = ""
 
 

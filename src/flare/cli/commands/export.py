@@ -39,9 +39,13 @@ def run(args) -> int:
     from flare.prepare import ExportOptions, check_flags, export_model
     from flare.ui.progress import PhaseProgress
 
+    from flare.errors import UsageError
+
     if args.repo_id is not None and args.repo_id.count("/") != 1:
-        from flare.errors import UsageError
         raise UsageError(f"--repo-id {args.repo_id} is not NAMESPACE/REPOSITORY")
+    if args.publisher_key and not args.reuse_weights:
+        raise UsageError("--publisher-key authenticates the cached version that --reuse-weights takes its weights "
+                         "from; without --reuse-weights it has nothing to check: add --reuse-weights or drop it")
     options = ExportOptions(
         max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk_size, gpus=args.gpus,
         weight_mode="no-weights" if args.no_weights else "reuse-weights" if args.reuse_weights else "normal",
