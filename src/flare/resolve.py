@@ -80,14 +80,23 @@ class ResolvedModel:
         if self.source == "builtin":
             return f"{alias}built locally in {self.directory}"
         if self.source == "directory":
-            return f"checkpoint directory {self.directory} ({self.recipe.title})"
+            return f"checkpoint directory {self.directory} ({self.kind})"
         if self.requested_revision is None and self.revision_was_resolved:
             where = f"{self.repo_id} at its current commit {self.revision}"
         elif self.revision_was_resolved:
             where = f"{self.repo_id}@{self.requested_revision} = commit {self.revision}"
         else:
             where = f"{self.repo_id} at commit {self.revision}"
-        return f"{alias}{where} ({self.recipe.title})"
+        return f"{alias}{where} ({self.kind})"
+
+    @property
+    def kind(self) -> str:
+        """What the checkpoint is: the recipe's title for a checkpoint it declares; otherwise its own
+        architecture and the recipe family that serves it (a small Llama-architecture checkpoint is not
+        "Llama 3.x")."""
+        if self.checkpoint is not None:
+            return self.recipe.title
+        return f"{self.architecture or 'unknown architecture'}, served by the {self.recipe.family} recipe"
 
 
 def resolve_model(model: str | None, config: Config, options: HubOptions | None = None) -> ResolvedModel:

@@ -146,7 +146,7 @@ def resolve_package_target(target: str | Path, options: DownloadOptions, stream:
         return path
     cache = ModelCache(options.cache_root)
     name, _, version = text.partition("@")
-    key = _model_key_or_none(name)
+    key = _cached_key_or_none(cache, name)
     if key is not None and _is_cached_model(cache, key):
         return _resolve_cached_model(cache, key, name, version, options, stream)
     if REPOSITORY_ID.fullmatch(name):
@@ -176,6 +176,16 @@ def _model_key_or_none(name: str) -> str | None:
         return None
 
 
+def _cached_key_or_none(cache: ModelCache, name: str) -> str | None:
+    """The model's cache key, also when `name` is one of its served aliases (`flare run demo`)."""
+    from flare.package.listing import model_key_for_name
+
+    try:
+        return model_key_for_name(cache, name)
+    except UsageError:
+        return None
+
+
 def _is_cached_model(cache: ModelCache, key: str) -> bool:
     return (cache.models / key).is_dir() or (cache.refs / key).is_file()
 
@@ -187,7 +197,7 @@ def _resolve_cached_model(cache: ModelCache, key: str, name: str, version: str, 
         if overrides:
             raise UsageError(f"{' and '.join(overrides)} cannot override the explicit local version "
                              f"{name}@{version}; name the model without @VERSION")
-        return cache.entry_path(cache.resolve(f"{name}@{version}"))
+        return cache.entry_path(cache.resolve(f"{key}@{version}"))
     selected = cache.default_version(key)
     if selected is None:
         raise UsageError(f"{name} is in {cache.root} but has no selected version; choose one with "
@@ -197,9 +207,9 @@ def _resolve_cached_model(cache: ModelCache, key: str, name: str, version: str, 
         if overrides:
             raise UsageError(f"{name} was exported locally and has no download origin; "
                              f"{' and '.join(overrides)} apply to models downloaded from a repository")
-        return cache.entry_path(cache.resolve(name))
+        return cache.entry_path(cache.resolve(key))
     if options.offline:
-        return cache.entry_path(cache.resolve(name))
+        return cache.entry_path(cache.resolve(key))
     return _update(cache, key, name, origin, options, stream)
 
 
@@ -215,7 +225,7 @@ def _update(cache: ModelCache, key: str, name: str, origin: SourceRecord, option
     except FlareError as error:
         if options.revision or options.filename:
             raise                                       # an explicit source that fails is the answer
-        selected = cache.resolve(name)
+        selected = cache.resolve(key)
         _say(stream, f"warning: the update check failed ({error}); serving the selected {selected}")
         return cache.entry_path(selected)
 

@@ -237,8 +237,8 @@ def _text(value) -> str:
 def sections(report: dict) -> list[Section]:
     verification, model, capacities = report["verification"], report["model"], report["capacities"]
     mode = verification["mode"]
-    trust_line = ("UNVERIFIED: signature not checked" if mode == "unverified" else
-                  f"signature valid; {'accepted' if verification['accepted'] else 'not accepted yet'}")
+    trust_line = ("UNVERIFIED: not checked" if mode == "unverified" else
+                  f"valid; {'accepted' if verification['accepted'] else 'not accepted yet'}")
     result = [
         Section("Model", [("name", model["served_names"][0] if model["served_names"] else model["model_id"]),
                           ("model id", model["model_id"]), ("served names", _text(model["served_names"])),
@@ -247,7 +247,8 @@ def sections(report: dict) -> list[Section]:
                           ("recipe", f"{_text(model['recipe'])} (alias {_text(model['alias'])})"),
                           ("checkpoint", f"{_text(model['checkpoint_repo'])}@{_text(model['checkpoint_revision'])}"),
                           ("license", _text((model["license"] or {}).get("name")))]),
-        Section("Publisher", [("verification", trust_line), ("namespace", verification["publisher"]),
+        # Labels of at most nine characters leave room for the 64-digit key on one line of an 80-column box.
+        Section("Publisher", [("signature", trust_line), ("namespace", verification["publisher"]),
                               ("source", _text(verification["official_source"])),
                               ("key", verification["key_fingerprint"]),
                               ("identity", _text(verification["identity"]))]),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flare.errors import FlareError
+from flare.errors import FlareError, UsageError
 from flare.package import format as fmt
 from flare.package.manifest import Manifest
 from flare.package.store import EntryId, ModelCache
@@ -32,6 +32,32 @@ def list_models(cache: ModelCache, model: str | None = None) -> dict:
                                                      "versions": []})
         record["versions"].append(describe_entry(cache, entry, record["default"]))
     return {"cache": str(cache.root), "verification": "unverified", "models": list(models.values())}
+
+
+def model_key_for_name(cache: ModelCache, name: str) -> str:
+    """The cache key MODEL names: the model's own key when the cache holds it, else the model whose
+    selected version serves `name` as an alias (`flare inspect demo` finds flare-demo). Read from the
+    unverified manifests; whoever opens the entry then verifies it. A name no model serves is returned
+    as its key, for the caller's "not in the cache" error."""
+    from flare.package.store import model_key_for
+
+    key = model_key_for(name)
+    if (cache.models / key).is_dir() or (cache.refs / key).is_file():
+        return key
+    serving = sorted({entry.model_key for entry in cache.entries()
+                      if entry.version == cache.default_version(entry.model_key)
+                      and name.casefold() in _served_names(cache, entry)})
+    if len(serving) > 1:
+        raise UsageError(f"{name} is a served name of {' and '.join(serving)}; name the model itself")
+    return serving[0] if serving else key
+
+
+def _served_names(cache: ModelCache, entry: EntryId) -> set[str]:
+    try:
+        manifest = fmt.read_package_files(cache.entry_path(entry)).primary.manifest
+    except FlareError:
+        return set()
+    return {str(name).casefold() for name in (manifest.get("model_id"), *(manifest.get("served_names") or ()))}
 
 
 def describe_entry(cache: ModelCache, entry: EntryId, default: str | None) -> dict:

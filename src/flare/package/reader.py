@@ -126,8 +126,11 @@ def resolve_target(target: str | Path, cache_root: Path | None = None) -> Path:
         if not path.exists():
             raise no_package_error(path)
         return path
+    from flare.package.listing import model_key_for_name
+
     cache = ModelCache(cache_root or DEFAULT_CACHE_ROOT)
-    return cache.entry_path(cache.resolve(text))
+    name, at, version = text.partition("@")
+    return cache.entry_path(cache.resolve(model_key_for_name(cache, name) + at + version))
 
 
 def open_package(target: str | Path, trust: TrustOptions | None = None, cache_root: Path | None = None,

@@ -256,6 +256,11 @@ def authorize(manifest: Manifest, key: PublicKey, key_source: str, options: Trus
     else:
         _ask(manifest, fingerprint, identity, key_source, license_text, options, stream or sys.stderr)
     store.remember(key, namespace, identity, license_text)
+    how = ("--dangerously-approve-key and --dangerously-accept-publisher" if options.approve_key is not None
+           else "the namespace typed")
+    print(f"Accepted key {fingerprint} of publisher {namespace!r} ({how}); remembered in {store.path}, so "
+          f"later loads ask for neither. `flare trust revoke {fingerprint}` forgets it.",
+          file=stream or sys.stderr, flush=True)
     return TrustResult(fingerprint, namespace, key_source, identity, True)
 
 
@@ -269,7 +274,8 @@ def _ask(manifest: Manifest, fingerprint, identity, key_source, license_text, op
                          "terminal to review and accept it, or pass --dangerously-approve-key FINGERPRINT and "
                          "--dangerously-accept-publisher NAMESPACE with its exact values")
     print(disclosure(manifest, fingerprint, identity, key_source, license_text), file=stream)
-    stream.write(f"Type the publisher namespace to accept ({namespace}): ")
+    # The namespace must be typed in full; nothing is accepted by pressing Enter (so no "(default)" look).
+    stream.write(f"To accept, type the publisher namespace {namespace} exactly; anything else refuses: ")
     stream.flush()
     typed = sys.stdin.readline().rstrip("\n")
     if typed != namespace:

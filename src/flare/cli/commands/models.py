@@ -116,18 +116,21 @@ def _list(cache, args) -> int:
         return 0
     sections = []
     for model in listing["models"]:
-        rows = []
+        versions, storage = [], []
         for version in model["versions"]:
             marks = ", ".join(m for m, on in (("default", version["selected"]), ("in use", version["in_use"])) if on)
             deployments = version.get("deployments") or []
             capacity = ", ".join(f"TP{d['tensor_parallel']} × {d['max_concurrency']:,}" for d in deployments) or "-"
             reclaimable = (format_bytes(version["reclaimable_bytes"]) if version.get("reclaimable_bytes") is not None
                            else "-")
-            rows.append([version["version"], marks or "-", capacity, format_bytes(version.get("logical_bytes")),
-                         format_bytes(version.get("disk_physical_bytes")),
-                         format_bytes(version.get("shared_physical_bytes")), reclaimable])
+            versions.append([version["version"], marks or "-", capacity, version.get("publisher") or "-"])
+            storage.append([version["version"], format_bytes(version.get("logical_bytes")),
+                            format_bytes(version.get("disk_physical_bytes")),
+                            format_bytes(version.get("shared_physical_bytes")), reclaimable])
+        # Two tables: the seven columns of one do not fit 80 columns without cutting a header or a size.
         sections.append(Section(f"{model['model_key']} (unverified metadata)",
-                                table=(["version", "", "capacity", "logical", "on disk", "shared", "reclaimable"],
-                                       rows)))
+                                table=(["version", "", "capacity", "publisher"], versions)))
+        sections.append(Section(f"{model['model_key']} storage",
+                                table=(["version", "logical", "on disk", "shared", "reclaimable"], storage)))
     render(sections, sys.stdout, plain=args.plain)
     return 0
