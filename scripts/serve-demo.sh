@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup-env.sh
-entry="$(.venv/bin/ignition export demo)"
+entry="$(bash scripts/demo-package.sh)"      # the last export again when nothing changed
 # The package is signed with this machine's development key; accept exactly that key and namespace.
 fingerprint="$(.venv/bin/python -c 'import sys; from flare.package.signing import main; sys.exit(main(["--development-fingerprint"]))')"
 exec .venv/bin/flare run "$entry" \

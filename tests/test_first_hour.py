@@ -134,3 +134,19 @@ def test_the_prompt_does_not_read_like_a_default(aliased_export, tmp_path, monke
     prompt = shown.getvalue().splitlines()[-1]
     assert "(local-development)" not in prompt
     assert "type the publisher namespace local-development exactly" in prompt
+
+
+def test_export_with_no_model_uses_defaults_model_as_the_readme_says(stories260k, tmp_path, capsys):
+    """The spec's rule, which the README states: no MODEL means defaults.model, and a usage error
+    naming it (and the built-in demo) when it is unset."""
+    from flare.cli.ignition import main as ignition_main
+
+    assert ignition_main(["export"]) == 2
+    err = capsys.readouterr().err
+    assert "defaults.model is not set" in err and "demo" in err
+    config = tmp_path / "config.toml"
+    config.write_text(f'[defaults]\nmodel = "{stories260k}"\n')
+    assert ignition_main(["export", "--config", str(config)]) == 0
+    assert Path(capsys.readouterr().out.strip().splitlines()[-1]).is_dir()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "with no MODEL: defaults.model" in readme and "with no MODEL, preparation uses" not in readme
