@@ -12,7 +12,7 @@
 #   long        8,000-token prompts, 1 token out: time to first token
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
-#   profile-start  a restart with the engine's start under cProfile (FLARE_PROFILE_STARTUP): where it goes
+#   profile-start  a restart with the engine's start under cProfile (--profile-startup): where it goes
 #   bench       `ignition bench` of the checkpoint (stops the server; later serve phases need a restart)
 # Environment: PY (python, default python3), OUT (also packed into OUT/results.tgz), WORK (scratch, default
 # /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
@@ -87,23 +87,24 @@ echo "export ${export_s}s -> $ENTRY"
 FINGERPRINT=$("$PY" -c 'import sys; from flare.package.signing import main; sys.exit(main(["--development-fingerprint"]))')
 
 SERVER_PID=
-start_server() {   # $1: log name; sets startup_s
-  local started
+start_server() {   # $1: log name, then extra `flare run` flags; sets startup_s
+  local started name=$1; shift
   started=$(now)
   "$PY" -c 'import sys; from flare.cli.flare import main; sys.exit(main())' run "$ENTRY" --port "$PORT" \
-    --dangerously-approve-key "$FINGERPRINT" --dangerously-accept-publisher local-development > "$OUT/$1.log" 2>&1 &
+    --dangerously-approve-key "$FINGERPRINT" --dangerously-accept-publisher local-development "$@" \
+    > "$OUT/$name.log" 2>&1 &
   SERVER_PID=$!
   startup_s=
   for _ in $(seq 1 1200); do
-    if ! kill -0 $SERVER_PID 2>/dev/null; then echo "server exited"; tail -30 "$OUT/$1.log"; return 1; fi
+    if ! kill -0 $SERVER_PID 2>/dev/null; then echo "server exited"; tail -30 "$OUT/$name.log"; return 1; fi
     if curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'content-type: application/json' \
-         -d '{"model":"'"$SERVED"'","prompt":"Hello","max_tokens":4}' -o "$OUT/$1.first.json" 2>/dev/null; then
+         -d '{"model":"'"$SERVED"'","prompt":"Hello","max_tokens":4}' -o "$OUT/$name.first.json" 2>/dev/null; then
       startup_s=$(elapsed "$started")
       break
     fi
     sleep 0.25
   done
-  grep -v '^\s*$' "$OUT/$1.log" | head -30
+  grep -v '^\s*$' "$OUT/$name.log" | head -30
   echo "startup to first answer: ${startup_s}s"
 }
 stop_server() {
@@ -138,7 +139,7 @@ for phase in $PHASES; do
     restart) stop_server; log "flare run again"; start_server restart && restart_s=$startup_s ;;
     profile-start)   # a restart whose engine start is profiled (cProfile), then its costliest calls
       stop_server; log "flare run, engine start profiled"
-      FLARE_PROFILE_STARTUP=$OUT/startup-profile start_server profiled-start
+      start_server profiled-start --profile-startup "$OUT/startup-profile"
       "$PY" -c 'import glob, pstats, sys
 for path in glob.glob(sys.argv[1] + "/*.prof"):
     pstats.Stats(path).sort_stats("cumulative").print_stats(45)' "$OUT/startup-profile" 2>&1 \

@@ -97,6 +97,7 @@ class FlareProcess:
                                 "--offline", "--dangerously-approve-key", development_fingerprint(home),
                                 "--dangerously-accept-publisher", "local-development", *flags)
         self.process = None
+        self.environment: dict[str, str] = {}     # variables added to the subprocess's environment
 
     @property
     def url(self) -> str:
@@ -110,7 +111,8 @@ class FlareProcess:
         import subprocess
 
         self.log_file = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.args, env=cli_env(self.home), stdout=self.log_file,
+        environment = {**cli_env(self.home), **self.environment}
+        self.process = subprocess.Popen(self.args, env=environment, stdout=self.log_file,
                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -22,8 +22,10 @@ IDLE_POLL_MS = 1000     # an idle core wakes this often to check that its parent
 IDLE_CHECK_DELAY_MS = 100   # quiet time after going idle before the page integrity check runs
 
 
-def run_engine_core(factory, seed: int | None, command_address: str, event_address: str) -> None:
-    """Entry point of the engine-core process (multiprocessing, spawn)."""
+def run_engine_core(factory, seed: int | None, command_address: str, event_address: str,
+                    profile_dir: str | None = None) -> None:
+    """Entry point of the engine-core process (multiprocessing, spawn). `profile_dir`: `flare run
+    --profile-startup DIR`, where a cProfile of building the core is written."""
     import zmq
 
     for ignored in (signal.SIGINT, signal.SIGTERM):     # the frontend decides when to stop
@@ -37,7 +39,7 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
     events.connect(event_address)
     send = lambda message: events.send(messages.encode(message))
     try:
-        core = _build(factory, seed, send)
+        core = _build(factory, seed, send, profile_dir)
         send(Ready(core.config, core.runner.vocab_size, tuple(sorted(core.eos_token_ids)), core.stats()))
         _serve(core, commands, send, parent)
     except Exception as error:
@@ -48,9 +50,9 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
         context.term()
 
 
-def _build(factory, seed, send):
-    """The core; with FLARE_PROFILE_STARTUP=DIR set, a cProfile of building it lands in DIR (a
-    diagnostic for slow starts: loading, compiling and capturing all happen here)."""
+def _build(factory, seed, send, profile_dir: str | None = None):
+    """The core; with a `profile_dir`, a cProfile of building it lands there (a diagnostic for slow
+    starts: loading, compiling and capturing all happen here)."""
     from flare.engine.factory import build_core
 
     def build():
@@ -58,7 +60,6 @@ def _build(factory, seed, send):
         send(messages.ModelBuilt())
         return build_core(loaded, seed)
 
-    profile_dir = os.environ.get("FLARE_PROFILE_STARTUP")
     if not profile_dir:
         return build()
     import cProfile

@@ -47,8 +47,9 @@ class CoreConnection:
         self.ready: Ready | None = None
 
     @classmethod
-    def spawn(cls, factory, seed: int | None = None) -> CoreConnection:
-        """Start the engine-core process; it builds its model from `factory` (a picklable ModelFactory)."""
+    def spawn(cls, factory, seed: int | None = None, profile_dir: str | None = None) -> CoreConnection:
+        """Start the engine-core process; it builds its model from `factory` (a picklable ModelFactory),
+        under cProfile into `profile_dir` when one is given (`flare run --profile-startup`)."""
         import zmq
 
         socket_dir = Path(tempfile.mkdtemp(prefix="flare-engine-"))
@@ -59,7 +60,7 @@ class CoreConnection:
         events.bind(f"ipc://{socket_dir}/events")
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="flare-engine-core", daemon=True,
-            args=(factory, seed, f"ipc://{socket_dir}/commands", f"ipc://{socket_dir}/events"))
+            args=(factory, seed, f"ipc://{socket_dir}/commands", f"ipc://{socket_dir}/events", profile_dir))
         process.start()
         return cls(process, context, commands, events, socket_dir)
 

@@ -60,9 +60,11 @@ def start_in_process(model: ServedModel, engine_config: Any, device: str, stages
     return ThreadedEngine(LLMEngine(core, tokenizer)), tokenizer
 
 
-def start_engine_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
+def start_engine_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter,
+                         profile_dir: str | None = None):
     """flare run: the engine core loads the package in its own process; its start-up messages drive the
-    stages while the tokenizer loads here. Returns (AsyncEngine, Tokenizer)."""
+    stages while the tokenizer loads here. `profile_dir` (--profile-startup) gets a cProfile of the
+    core's start. Returns (AsyncEngine, Tokenizer)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from flare.engine.factory import ModelFactory
@@ -74,7 +76,7 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
                                                 tuple(eos_token_ids_of(model.frontend_dir, None))))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-tokenizer") as loader:
         tokenizer = loader.submit(load_tokenizer, model.frontend_dir)
-        connection = CoreConnection.spawn(factory)
+        connection = CoreConnection.spawn(factory, profile_dir=profile_dir)
         try:
             engine = _follow_startup(connection, tokenizer, model, engine_config, device, stages)
         except BaseException as error:

@@ -36,6 +36,7 @@ class ListenerOptions:
     memory_limit: str | None = None
     scheduler_policy: Any = None            # flare.engine.policy.SchedulerPolicy; None: balanced, defaults
     gpus: tuple[int, ...] | None = None     # --gpus; None: the first visible GPU (or the CPU)
+    profile_startup: Path | None = None     # --profile-startup DIR: a cProfile of the engine core's start
 
 
 # ---- settings from flags, configuration and the package ------------------------------------------------
@@ -117,8 +118,11 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     device = serving_device()
     pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve)
     engine_config = serving_engine_config(model, concurrency, pool, listener_options.scheduler_policy)
-    start = start_engine_process if model.package_path is not None else start_in_process
-    engine, tokenizer = start(model, engine_config, device, stages)
+    if model.package_path is not None:
+        profile_dir = str(listener_options.profile_startup) if listener_options.profile_startup else None
+        engine, tokenizer = start_engine_process(model, engine_config, device, stages, profile_dir)
+    else:
+        engine, tokenizer = start_in_process(model, engine_config, device, stages)
     try:
         with stages.stage("Load frontend") as stage:
             frontend = ServingFrontend.from_dir(model.frontend_dir, tokenizer)

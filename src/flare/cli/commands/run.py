@@ -40,6 +40,9 @@ def configure(parser):
     scheduling.add_argument("--scheduler-terminal-age-price", metavar="PRICE",
                             help="added worth per squared millisecond a terminal request waits; 0 disables it "
                                  "(default: 1)")
+    scheduling.add_argument("--profile-startup", type=Path, metavar="DIR",
+                            help="write a cProfile of the engine core's start (loading, compiling, capturing) "
+                                 "into DIR, a diagnostic for slow starts (default: off)")
     download = parser.add_argument_group("repository download (for ORG/NAME[@REVISION])")
     from flare.cli.commands.download import add_download_arguments
 
@@ -71,7 +74,8 @@ def run(args) -> int:
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
                                kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit,
-                               scheduler_policy=policy, gpus=parse_gpus(args.gpus) if args.gpus else None)
+                               scheduler_policy=policy, gpus=parse_gpus(args.gpus) if args.gpus else None,
+                               profile_startup=args.profile_startup)
     options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
                          config=args.configuration, model_cache=args.model_cache,
                          download=download_options_from_args(args))
