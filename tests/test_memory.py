@@ -8,9 +8,10 @@ import types
 import pytest
 
 from flare.errors import CapacityError, UsageError
+from flare.estimate import size_kv_pool
 from flare.memory import (GiB, MiB, DeviceMemory, FixedCosts, KVGeometry, check_gpu_selection, engine_headroom,
                           format_gpus, memory_budget, parse_gpus, parse_memory_limit, parse_size,
-                          read_device_memory, read_host_memory, size_kv_pool)
+                          read_device_memory, read_host_memory)
 
 
 @pytest.mark.parametrize("text,expected", [

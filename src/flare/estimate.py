@@ -1,4 +1,5 @@
-"""The capacity estimate made before weights load, and the section-6 capacity error.
+"""The capacity estimate made before weights load, the KV pool sized at startup, and the section-6
+capacity error either raises.
 
 Spec §1 "Estimate roughly, allocate from the device" and §6. From declared sizes (weights, graphs,
 live state, the prefix cache at its floor, and 8,192 tokens of pages per active request) the estimate
@@ -22,7 +23,7 @@ from typing import Iterator, Sequence
 
 from flare.errors import CapacityError
 from flare.memory import (GiB, MEMORY_MODE_MIN_TOKENS_PER_REQUEST, MiB, Budget, FixedCosts, KVCacheLimit,
-                          KVGeometry, format_gpus, minimum_pages)
+                          KVGeometry, KVPool, format_gpus, minimum_pages)
 
 INDENT = " " * len("error: ")       # continuation lines line up under the first line's text
 
@@ -204,7 +205,7 @@ def choose_gpus(estimate: MemoryEstimate, all_budgets: Sequence[Budget],
 
 def pool_capacity_error(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,
                         kv_cache_limit: KVCacheLimit) -> CapacityError:
-    """Startup found too little memory for the KV pool's minimum (called by memory.size_kv_pool)."""
+    """Startup found too little memory for the KV pool's minimum (raised by size_kv_pool)."""
     minimum = minimum_pages(geometry, kv_cache_limit)
     per_request_tokens = (minimum // geometry.max_concurrency) * geometry.page_size
     requirement = Requirement(weights=fixed.weights, graphs=fixed.graphs, live_state=fixed.live_state,
@@ -273,3 +274,21 @@ def oom_as_capacity_error(estimate: MemoryEstimate, budgets: Sequence[Budget], *
             raise
         raise capacity_error_from_oom(error, estimate, budgets, all_budgets=all_budgets,
                                       tensor_parallel_sizes=tensor_parallel_sizes) from error
+
+
+def size_kv_pool(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,
+                 kv_cache_limit: KVCacheLimit = "memory") -> KVPool:
+    """Pages for the shared KV pool on one device; raises CapacityError (§6 form) below the minimum."""
+    by_memory = max(0, budget.available - fixed.total) // geometry.bytes_per_page
+    context_pages = geometry.pages_for(geometry.max_context)
+    ceilings = {"memory": None, "context": context_pages,
+                "concurrency": context_pages * geometry.max_concurrency}
+    ceiling = ceilings[kv_cache_limit]
+    if ceiling is not None and ceiling <= by_memory:
+        pages, limited_by = ceiling, f"{kv_cache_limit} ceiling"
+    else:
+        pages, limited_by = by_memory, "memory"
+    if pages < minimum_pages(geometry, kv_cache_limit):
+        raise pool_capacity_error(budget, fixed, geometry, kv_cache_limit)
+    return KVPool(pages=pages, page_size=geometry.page_size, bytes=pages * geometry.bytes_per_page,
+                  limited_by=limited_by)  # type: ignore[arg-type]

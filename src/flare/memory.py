@@ -384,23 +384,3 @@ def minimum_pages(geometry: KVGeometry, kv_cache_limit: KVCacheLimit) -> int:
     if kv_cache_limit == "memory":
         return geometry.max_concurrency * geometry.pages_for(MEMORY_MODE_MIN_TOKENS_PER_REQUEST)
     return geometry.max_concurrency
-
-
-def size_kv_pool(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,
-                 kv_cache_limit: KVCacheLimit = "memory") -> KVPool:
-    """Pages for the shared KV pool on one device; raises CapacityError (§6 form) below the minimum."""
-    by_memory = max(0, budget.available - fixed.total) // geometry.bytes_per_page
-    context_pages = geometry.pages_for(geometry.max_context)
-    ceilings = {"memory": None, "context": context_pages,
-                "concurrency": context_pages * geometry.max_concurrency}
-    ceiling = ceilings[kv_cache_limit]
-    if ceiling is not None and ceiling <= by_memory:
-        pages, limited_by = ceiling, f"{kv_cache_limit} ceiling"
-    else:
-        pages, limited_by = by_memory, "memory"
-    if pages < minimum_pages(geometry, kv_cache_limit):
-        from flare.estimate import pool_capacity_error
-
-        raise pool_capacity_error(budget, fixed, geometry, kv_cache_limit)
-    return KVPool(pages=pages, page_size=geometry.page_size, bytes=pages * geometry.bytes_per_page,
-                  limited_by=limited_by)  # type: ignore[arg-type]

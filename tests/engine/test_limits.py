@@ -10,7 +10,8 @@ from flare.engine.config import EngineConfig, engine_config_for_pool
 from flare.engine.core import EngineCore, InvalidRequest
 from flare.engine.policy import SchedulerPolicy
 from flare.errors import UsageError
-from flare.memory import GiB, MiB, DeviceMemory, FixedCosts, KVGeometry, memory_budget, size_kv_pool
+from flare.estimate import size_kv_pool
+from flare.memory import GiB, MiB, DeviceMemory, FixedCosts, KVGeometry, memory_budget
 
 DEVICE = DeviceMemory(index=0, name="test GPU", free=60 * GiB, total=80 * GiB)
 FIXED = FixedCosts(weights=20 * GiB, graphs=2 * GiB, live_state=GiB // 2, prefix_cache_floor=GiB // 2)

@@ -1,7 +1,7 @@
 """The engine's own settings: batch shape, decode graph sizes, KV pages, length limits and scheduler policy.
 
 Frozen: built once per engine. `engine_config_for_pool` turns a startup KV pool sizing
-(`flare.memory.size_kv_pool`) into an EngineConfig that says which limit bound the pool.
+(`flare.estimate.size_kv_pool`) into an EngineConfig that says which limit bound the pool.
 """
 
 from __future__ import annotations

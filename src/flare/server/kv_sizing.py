@@ -1,6 +1,6 @@
 """The serving engine's capacity: the KV page pool (sized by `flare.memory`) and the EngineConfig built on it.
 
-There is one sizing path: `flare.memory.size_kv_pool` gives the pages, `flare.engine.config.
+There is one sizing path: `flare.estimate.size_kv_pool` gives the pages, `flare.engine.config.
 engine_config_for_pool` turns them into the engine's settings. This module only gathers the inputs a
 served model brings: device memory, the reserve or `--memory-limit`, bytes per cached token (the recipes'
 `kv_bytes_per_token`), and the prepared context and concurrency.
@@ -15,8 +15,9 @@ filling RAM with pages would help nobody: there the pool stops at one context pe
 from __future__ import annotations
 
 from flare.engine.config import serving_scratch_bytes, step_token_budget
+from flare.estimate import size_kv_pool
 from flare.memory import (KV_CACHE_LIMITS, FixedCosts, KVGeometry, KVPool, engine_headroom, memory_budget,
-                          parse_kv_cache_limit, parse_memory_limit, read_device_memory, size_kv_pool)
+                          parse_kv_cache_limit, parse_memory_limit, read_device_memory)
 from flare.recipes.base import kv_bytes_per_token, live_state_bytes_per_request
 from flare.server.served_model import ServedModel
 
