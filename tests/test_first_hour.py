@@ -80,7 +80,7 @@ def test_plain_inspection_draws_no_boxes(aliased_export, capsys):
 def test_the_key_fingerprint_stays_on_one_line_in_80_columns(aliased_export, capsys):
     from flare.package.reader import open_unverified
 
-    fingerprint = open_unverified(aliased_export).manifest["publisher"]["key_fingerprint"]
+    fingerprint = open_unverified(aliased_export).manifest.publisher.key_fingerprint
     text = _out(capsys, "inspect", aliased_export)
     assert any(fingerprint in line for line in text.splitlines())
     assert max(len(line) for line in text.splitlines()) == 80
@@ -102,7 +102,7 @@ def test_flag_approval_says_it_is_remembered(aliased_export, tmp_path):
 
     files = fmt.read_package_files(aliased_export)
     manifest = files.primary.manifest
-    fingerprint = manifest["publisher"]["key_fingerprint"]
+    fingerprint = manifest.publisher.key_fingerprint
     store = tmp_path / "trust.toml"
     options = TrustOptions(approve_key=fingerprint, accept_publisher="local-development", trust_store=store,
                            offline=True)

@@ -89,7 +89,7 @@ def test_export_concurrency_comes_from_the_flag_then_the_file_then_the_recipe(st
     def exported_concurrency(*argv) -> int:
         code, out, err = _run(ignition_main, capsys, "export", stories260k, *argv)
         assert code == 0, err
-        return open_unverified(Path(out.strip().splitlines()[-1])).plan["max_concurrency"]
+        return open_unverified(Path(out.strip().splitlines()[-1])).plan.max_concurrency
 
     config = _write(tmp_path / "config.toml", "[defaults]\nmax_concurrency = 6\n")
     model_config = _write(tmp_path / "model.toml", '[defaults]\nmax_concurrency = 6\n[models."stories260k"]\n'

@@ -57,7 +57,7 @@ def _served_names(cache: ModelCache, entry: EntryId) -> set[str]:
         manifest = fmt.read_package_files(cache.entry_path(entry)).primary.manifest
     except FlareError:
         return set()
-    return {str(name).casefold() for name in (manifest.get("model_id"), *(manifest.get("served_names") or ()))}
+    return {name.casefold() for name in (manifest.model_id, *manifest.served_names)}
 
 
 def describe_entry(cache: ModelCache, entry: EntryId, default: str | None) -> dict:
