@@ -89,8 +89,9 @@ def development_fingerprint(home) -> str:
 class FlareProcess:
     """A real `flare run` subprocess on 127.0.0.1 and a free port; stderr is kept for assertions."""
 
-    def __init__(self, home, target: str, *flags: str) -> None:
+    def __init__(self, home, target: str, *flags: str, own_process_group: bool = False) -> None:
         self.home = home
+        self.own_process_group = own_process_group      # its own group, so a test can signal all of it
         self.port = free_port()
         self.log_path = home / f"flare-run-{self.port}.log"
         self.args = cli_command("flare", "run", target, "--host", "127.0.0.1", "--port", str(self.port),
@@ -113,7 +114,7 @@ class FlareProcess:
         self.log_file = open(self.log_path, "w")
         environment = {**cli_env(self.home), **self.environment}
         self.process = subprocess.Popen(self.args, env=environment, stdout=self.log_file,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, start_new_session=self.own_process_group)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

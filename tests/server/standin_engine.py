@@ -8,6 +8,7 @@ import math
 
 from flare.engine.core import EngineStats
 from flare.engine.outputs import RequestOutput, TokenLogprob
+from flare.engine_client.protocol import EngineDeadError
 
 
 class StandinEngine:
@@ -21,6 +22,7 @@ class StandinEngine:
         self.seen_params: dict[str, object] = {}
         self.fail_after: int | None = None          # raise after this many tokens (a failing engine)
         self.dead_reason: str | None = None
+        self.shut_down = False
 
     async def generate(self, request_id, prompt_token_ids, params):
         self.running.add(request_id)
@@ -30,6 +32,8 @@ class StandinEngine:
             for step in range(params.max_tokens):
                 if self.fail_after is not None and step == self.fail_after:
                     raise RuntimeError("the device fell over")
+                if self.shut_down:
+                    raise EngineDeadError("the engine was shut down")
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 else:
@@ -61,4 +65,5 @@ class StandinEngine:
                            num_preemptions=0)
 
     def shutdown(self) -> None:
-        pass
+        """As the real clients: whatever still streams ends with EngineDeadError."""
+        self.shut_down = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import socket
+from types import SimpleNamespace
 
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import pytest
 
 from flare.errors import UsageError
 from flare.server.kv_sizing import serving_kv_pool
-from flare.server.launch import ListenerOptions, api_key, serving_concurrency, served_names
-from flare.server.listener import open_listener, url_for
+from flare.server.launch import ListenerOptions, api_key, listener_address, serving_concurrency, served_names
+from flare.server.listener import reserve
 from flare.server.served_model import ServedModel
 from flare.ui.banner import show_banner
 from flare.ui.stages import StageReporter, bar
@@ -54,28 +55,39 @@ def test_terminal_stages_show_a_ten_cell_bar_and_status(monkeypatch):
 
 
 def test_listener_accepts_numeric_ipv4_and_ipv6_only():
-    listener = open_listener("127.0.0.1", 0)
+    listener = reserve("127.0.0.1", 0)
     listener.close()
     if socket.has_ipv6:
         try:
-            listener = open_listener("::1", 0)
+            listener = reserve("::1", 0)
         except UsageError:
             pass                                     # no IPv6 loopback on this host
         else:
-            assert listener.family == socket.AF_INET6
+            assert listener.socket.family == socket.AF_INET6
+            assert listener.url == "http://[::1]:0"
             listener.close()
     with pytest.raises(UsageError, match="numeric IPv4 or IPv6"):
-        open_listener("localhost", 0)
-    assert url_for("::1", 8001) == "http://[::1]:8001"
+        reserve("localhost", 0)
 
 
 def test_port_in_use_is_a_clear_error():
-    taken = open_listener("127.0.0.1", 0)
+    taken = reserve("127.0.0.1", 0)
+    taken.listen()
     try:
         with pytest.raises(UsageError, match="choose another --port"):
-            open_listener("127.0.0.1", taken.getsockname()[1])
+            reserve("127.0.0.1", taken.socket.getsockname()[1])
     finally:
         taken.close()
+
+
+def test_a_port_outside_the_range_is_refused_by_the_setting_it_came_from():
+    assert listener_address(ListenerOptions(port=8001), None) == ("127.0.0.1", 8001)
+    for port in (0, 70000, -1):
+        with pytest.raises(UsageError, match=f"--port {port} is outside the port range 1-65535"):
+            listener_address(ListenerOptions(port=port), None)
+    configured = SimpleNamespace(server=SimpleNamespace(host="::1", port=65536))
+    with pytest.raises(UsageError, match=r"\[server\] port 65536 is outside the port range 1-65535"):
+        listener_address(ListenerOptions(), configured)
 
 
 def _model(**changes) -> ServedModel:

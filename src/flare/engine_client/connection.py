@@ -25,6 +25,7 @@ from flare.engine.messages import CoreFailed, Event, Ready, Shutdown, StartupPro
 from flare.engine_client.protocol import EngineDeadError
 
 POLL_MS = 500
+LAST_WORDS_MS = 200     # how long a core that exited may take to deliver its last message
 
 
 class EngineStartError(EngineDeadError):
@@ -37,11 +38,16 @@ class EngineStartError(EngineDeadError):
 
 class CoreConnection:
     def __init__(self, process, context, commands, events, socket_dir: Path) -> None:
+        import zmq
+
         self.process = process
         self._context = context
         self._commands = commands
         self._events = events
         self._socket_dir = socket_dir
+        self._poller = zmq.Poller()                      # events, and the process's exit
+        self._poller.register(events, zmq.POLLIN)
+        self._poller.register(process.sentinel, zmq.POLLIN)
         self._send_lock = threading.Lock()              # ZMQ sockets are not thread-safe
         self._closed = False
         self.ready: Ready | None = None
@@ -91,10 +97,13 @@ class CoreConnection:
                 self._commands.send(data)
 
     def receive(self, timeout_ms: int) -> Event | None:
-        """The next event, or None if none came within `timeout_ms`."""
-        if not self._events.poll(timeout_ms):
-            return None
-        return messages.decode_event(self._events.recv())
+        """The next event, or None if none came within `timeout_ms` or the core exited (it wakes at once:
+        the process's sentinel is polled beside the socket, so a dead core is noticed without delay)."""
+        ready = dict(self._poller.poll(timeout_ms))
+        # After the core exited, what it sent last may still be on its way through the socket.
+        if self._events in ready or self._events.poll(0 if not ready else LAST_WORDS_MS):
+            return messages.decode_event(self._events.recv())
+        return None
 
     def is_alive(self) -> bool:
         return self.process.is_alive()

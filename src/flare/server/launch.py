@@ -4,7 +4,8 @@
     debug_serve(DebugOptions(...))        load a checkpoint directory and serve it, writing no package
 
 Both describe what they serve as a `ServedModel`, then share the rest: engine, frontend, listener,
-startup report, and a drain of active requests on SIGINT/SIGTERM.
+startup report, and a drain of active requests on SIGINT/SIGTERM. The port is reserved first, so a
+busy or out-of-range one is reported before anything loads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Callable, TextIO
 from flare.errors import UsageError
 from flare.server.engine_start import gib, serving_device, start_engine_process, start_in_process
 from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, serving_engine_config, serving_kv_pool
-from flare.server.listener import open_listener, run_http, url_for
+from flare.server.listener import Listener, check_port, reserve, run_http
 from flare.server.served_model import ServedModel
 from flare.server.settings import SamplingPolicy, ServerSettings
 from flare.ui.banner import show_banner
@@ -103,9 +104,19 @@ def served_names(listener: ListenerOptions, model: ServedModel) -> tuple[str, ..
 
 # ---- serving ------------------------------------------------------------------------------------------
 
+def listener_address(options: ListenerOptions, config: Any) -> tuple[str, int]:
+    """Host and port: the flags, then [server] in the configuration, then 127.0.0.1 port 8000."""
+    server_config = getattr(config, "server", None)
+    host = options.host or getattr(server_config, "host", None) or "127.0.0.1"
+    if options.port is not None:
+        return host, check_port(options.port, "--port")
+    return host, check_port(getattr(server_config, "port", 8000), "[server] port")
+
+
 def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, stages: StageReporter,
-          stream: TextIO, startup_lines: Callable[[], list[str]] = lambda: []) -> int:
-    """Everything after the model is known: engine, frontend, HTTP; returns when the server has drained."""
+          stream: TextIO, listener: Listener, startup_lines: Callable[[], list[str]] = lambda: []) -> int:
+    """Everything after the model is known: engine, frontend, HTTP on `listener` (reserved already, so a
+    busy port failed before anything loaded); returns the exit status once the server has stopped."""
     from flare.server.frontend import ServingFrontend
 
     listener_options = select_gpus(listener_options)
@@ -132,15 +143,23 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
                                   max_model_len=engine_config.max_model_len, max_concurrency=concurrency,
                                   kv_tokens=pool.tokens, api_key=key, sampling=model.sampling)
         with stages.stage("Start HTTP") as stage:
-            listener = open_listener(host, port)
-            stage.note(url_for(host, port))
-        report = startup_lines() + startup_report(model, settings, pool, engine_config, url_for(host, port), device)
+            listener.listen()
+            stage.note(listener.url)
+        report = startup_lines() + startup_report(model, settings, pool, engine_config, listener.url, device)
         for line in report:
             print(line, file=stream, flush=True)
-        dashboard = Dashboard.for_stream(stream, names[0], url_for(host, port))   # None when redirected
-        return run_http(engine, frontend, settings, listener, dashboard)
+        dashboard = Dashboard.for_stream(stream, names[0], listener.url)   # None when redirected
+        import gc
+
+        # What start-up built lives as long as the server: collections during serving need not scan it,
+        # and neither does the one at exit (seconds on a busy CPU with torch and transformers loaded).
+        gc.collect()
+        gc.freeze()
+        status = run_http(engine, frontend, settings, listener, stream, dashboard)
     finally:
         engine.shutdown()
+    print("Stopped" + (f" (exit status {status})" if status else ""), file=stream, flush=True)
+    return status
 
 
 def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, engine_config: Any,
@@ -180,12 +199,15 @@ def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
     show_banner(stream, "loading " + str(options.target))
     stages = StageReporter(stream)
     download = _download_options(options)
+    listener = reserve(*listener_address(options.listener, options.config))   # a busy port fails first
     with contextlib.ExitStack() as held:
+        held.callback(listener.close)
         package = _open_package(options, download, stages, stream,
                                 lambda path: held.enter_context(lease_entry(path)))   # the cache it lies in
         held.callback(package.close)
         weight_bytes = sum(r.size for r in package.weight_payloads())
-        return serve(_package_model(package, weight_bytes), options.listener, options.config, stages, stream)
+        return serve(_package_model(package, weight_bytes), options.listener, options.config, stages, stream,
+                     listener)
 
 
 def _download_options(options: RunOptions):
@@ -316,7 +338,8 @@ def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
 
     stream = stream or sys.stderr
     stages = StageReporter(stream)
-    listener = select_gpus(options.listener)          # before the device is first asked for
+    listener_options = select_gpus(options.listener)          # before the device is first asked for
+    listener = reserve(*listener_address(listener_options, options.config))   # a busy port fails first
     directory = Path(options.checkpoint_dir)
     hf_config = json.loads((directory / "config.json").read_text())
     concurrency = _debug_concurrency(options)
@@ -329,4 +352,7 @@ def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
         weight_bytes=sum(path.stat().st_size for path in safetensors_files(directory)),
         iter_weights=lambda: iter_safetensors(directory), sampling=options.sampling)
     lines = lambda: ["  debug-serve: diagnostic serving of a checkpoint; export a package for real serving"]
-    return serve(model, listener, options.config, stages, stream, lines)
+    try:
+        return serve(model, listener_options, options.config, stages, stream, listener, lines)
+    finally:
+        listener.close()

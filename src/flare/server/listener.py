@@ -1,75 +1,96 @@
-"""The HTTP listener: a socket bound before the server starts (so a busy port fails the Start HTTP stage),
-and uvicorn serving the app until SIGINT/SIGTERM, after the active requests have drained."""
+"""The HTTP listener: the port reserved before the model loads, then uvicorn serving the app until it stops.
+
+    listener = reserve(host, check_port(port, "--port"))   # bound at once: a busy port fails before loading
+    ...                                                     # load the model
+    listener.listen()                                       # the Start HTTP stage
+    run_http(engine, frontend, settings, listener, stream, dashboard)    # -> the exit status
+
+How it stops (signals, the engine core's death, the bounds) is `flare.server.stopping`.
+"""
 
 from __future__ import annotations
 
 import socket
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 from flare.errors import UsageError
 from flare.server.settings import ServerSettings
 
+PORTS = range(1, 65536)
 
-def open_listener(host: str, port: int) -> socket.socket:
-    """A bound, listening socket on a numeric IPv4 or IPv6 address."""
+
+def check_port(port: int, origin: str) -> int:
+    """`port`, refused by the name of the setting it came from (`--port`, `[server] port`) unless in range."""
+    if isinstance(port, bool) or not isinstance(port, int) or port not in PORTS:
+        raise UsageError(f"{origin} {port} is outside the port range {PORTS.start}-{PORTS.stop - 1}; "
+                         f"choose a port from {PORTS.start} to {PORTS.stop - 1}")
+    return port
+
+
+@dataclass(frozen=True)
+class Listener:
+    host: str
+    port: int
+    socket: socket.socket
+
+    @property
+    def url(self) -> str:
+        return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
+
+    def listen(self) -> None:
+        """Start taking connections (they wait in the backlog until the server runs)."""
+        try:
+            self.socket.listen(2048)
+        except OSError as error:               # another server bound the port too and listened first
+            raise _in_use(self.host, self.port, error) from None
+        self.socket.setblocking(False)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def reserve(host: str, port: int) -> Listener:
+    """The port bound (not yet listening) on a numeric IPv4 or IPv6 address; UsageError if it is taken."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST | socket.AI_PASSIVE)[0]
     except socket.gaierror:
         raise UsageError(f"--host {host} is not a numeric IPv4 or IPv6 address (for IPv6 write it unbracketed, "
                          "such as --host ::1)") from None
-    listener = socket.socket(family, kind, proto)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    bound = socket.socket(family, kind, proto)
+    bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
-        listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        bound.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     try:
-        listener.bind(address)
+        bound.bind(address)
     except OSError as error:
-        listener.close()
-        raise UsageError(f"cannot listen on {host} port {port}: {error.strerror}; choose another --port "
-                         "or stop the process using it") from None
-    listener.listen(2048)
-    listener.setblocking(False)
-    return listener
+        bound.close()
+        raise _in_use(host, port, error) from None
+    return Listener(host, port, bound)
 
 
-def url_for(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _in_use(host: str, port: int, error: OSError) -> UsageError:
+    return UsageError(f"cannot listen on {host} port {port}: {error.strerror}; choose another --port "
+                      "or stop the process using it")
 
 
-def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: socket.socket,
+def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: Listener, stream: TextIO,
              dashboard: Any = None) -> int:
-    """Serve until a signal drains the server. `dashboard` (flare.ui.dashboard.Dashboard) is live meanwhile."""
-    import uvicorn
-
+    """Serve until a signal drains the server or the engine core dies; returns the exit status.
+    `dashboard` (flare.ui.dashboard.Dashboard) is live meanwhile."""
     from flare.server.app import build_app
+    from flare.server.stopping import StoppingServer, uvicorn_config
 
     app = build_app(engine, frontend, settings)
-    state = app.state.serving
-
-    class DrainingServer(uvicorn.Server):
-        """On SIGINT/SIGTERM: /health turns 503, no new connections, active requests finish, then exit."""
-
-        def handle_exit(self, sig, frame) -> None:
-            if dashboard is not None:
-                dashboard.drain()          # hand the terminal back before the drain is reported
-            state.draining = True
-            state.ready = False
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises a handled signal after shutdown; the drain is the intended exit, status 0
-            self._captured_signals.clear()
-
     if dashboard is not None:
-        dashboard.attach(state)
-    # No access log ever; under the dashboard only errors, which would otherwise tear the display
-    config = uvicorn.Config(app, log_level="warning" if dashboard is None else "error", access_log=False,
-                            timeout_graceful_shutdown=None, limit_concurrency=None, backlog=2048)
-    server = DrainingServer(config)
+        dashboard.attach(app.state.serving)
+    server = StoppingServer(uvicorn_config(app, quiet=dashboard is not None), app.state.serving, stream, dashboard)
     if dashboard is not None:
         dashboard.start()
     try:
-        server.run(sockets=[listener])
+        server.run(sockets=[listener.socket])
     finally:
         if dashboard is not None:
             dashboard.stop()
-    return 0
+    return server.exit_status

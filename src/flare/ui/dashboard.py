@@ -241,16 +241,3 @@ class Dashboard:
         live, self._live = self._live, None
         if live is not None:
             live.stop()
-
-    def drain(self) -> None:
-        """On SIGINT/SIGTERM: stop the display and say that the active requests finish before the exit."""
-        if self._live is None:
-            return
-        self.stop()
-        try:
-            stats = self.engine_stats()
-            running = int(stat(stats, "num_running")) + int(stat(stats, "num_waiting"))
-        except Exception:                        # the engine may be gone already; the message still holds
-            running = 0
-        print(f"Shutting down: finishing {running} active request{'s' if running != 1 else ''}, "
-              "accepting no new ones", file=self.stream, flush=True)
