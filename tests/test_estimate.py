@@ -20,7 +20,7 @@ def gib(amount: float) -> int:
 # The specification's example: 68.3 + 7.0 + 5.2 + 0.9 + 0.8 (4 x 8,192 tokens) = 82.2 GiB needed.
 SPEC_EXAMPLE = MemoryEstimate(weights_bytes=gib(68.3), graphs_bytes=gib(7.0),
                               live_state_bytes_per_request=gib(1.3), prefix_cache_bytes_per_request=gib(0.225),
-                              kv_bytes_per_token=26214, max_concurrency=4)
+                              kv_bytes_per_token=26214, max_concurrency=4, max_context=131072, page_size=16)
 
 
 def gpu(free: float, total: float = 139.8, index: int = 0) -> DeviceMemory:
@@ -75,7 +75,7 @@ SCENARIOS = {
     "reserve, concurrency and GPUs": (
         MemoryEstimate(weights_bytes=gib(40), graphs_bytes=gib(4), live_state_bytes_per_request=gib(0.05),
                        prefix_cache_bytes_per_request=gib(0.1), kv_bytes_per_token=128 * 1024,
-                       max_concurrency=16),
+                       max_concurrency=16, max_context=131072, page_size=16),
         [gpu(70, index=0), gpu(139, index=1), gpu(139, index=2)], (0,), gib(20), None, (1, 2, 4)),
     # a --memory-limit reserve, not the configured one, is what to change
     "memory-limit reserve": (

@@ -2,8 +2,9 @@
 capacity error either raises.
 
 Spec §1 "Estimate roughly, allocate from the device" and §6. From declared sizes (weights, graphs,
-live state, the prefix cache at its floor, and 8,192 tokens of pages per active request) the estimate
-decides whether a model fits the selected GPUs and which GPUs to take. When it does not fit, the error
+live state, the prefix cache at its floor, and the smallest KV pool memory mode accepts: 8,192 tokens per
+active request, or 1,024 per request and one whole context where that is less, see
+`flare.memory.pool_minimum`) the estimate decides whether a model fits the selected GPUs and which GPUs to take. When it does not fit, the error
 gives the requirement, the supply, and options that each make it fit on their own:
 
     error: needs 68.3 GiB weights + 7.0 GiB graphs + 5.2 GiB live state + 0.9 GiB prefix cache
@@ -22,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from flare.errors import CapacityError
-from flare.memory import (GiB, MEMORY_MODE_MIN_TOKENS_PER_REQUEST, MiB, Budget, FixedCosts, KVCacheLimit,
-                          KVGeometry, KVPool, format_gpus, minimum_pages)
+from flare.memory import (GiB, MiB, Budget, FixedCosts, KVCacheLimit, KVGeometry, KVPool, format_gpus,
+                          minimum_pages, pool_minimum, request_floor)
 
 INDENT = " " * len("error: ")       # continuation lines line up under the first line's text
 
@@ -38,21 +39,23 @@ class MemoryEstimate:
     prefix_cache_bytes_per_request: int     # the prefix cache at its floor, per active request
     kv_bytes_per_token: int                 # K and V of every layer, one token
     max_concurrency: int
+    max_context: int                        # the prepared context (prompt + generated tokens)
+    page_size: int                          # tokens per KV page
     tensor_parallel: int = 1
 
     def requirement(self) -> "Requirement":
         """The smallest per-GPU footprint the engine accepts at this concurrency and TP size.
         Weights and KV split across ranks; graphs and live state are counted on every rank."""
         tp = self.tensor_parallel
+        minimum = pool_minimum(KVGeometry(self.page_size, self.kv_bytes_per_token, self.max_context,
+                                          self.max_concurrency), "memory")
         return Requirement(
             weights=-(-self.weights_bytes // tp),
             graphs=self.graphs_bytes,
             live_state=self.live_state_bytes_per_request * self.max_concurrency,
             prefix_cache=-(-self.prefix_cache_bytes_per_request * self.max_concurrency // tp),
-            minimum_pages=-(-self.kv_bytes_per_token * MEMORY_MODE_MIN_TOKENS_PER_REQUEST
-                            * self.max_concurrency // tp),
-            concurrency=self.max_concurrency,
-            tokens_per_request=MEMORY_MODE_MIN_TOKENS_PER_REQUEST,
+            minimum_pages=-(-self.kv_bytes_per_token * minimum.pages * self.page_size // tp),
+            minimum_text=minimum.text,
         )
 
 
@@ -65,16 +68,14 @@ class Requirement:
     live_state: int
     prefix_cache: int
     minimum_pages: int
-    concurrency: int
-    tokens_per_request: int
+    minimum_text: str                       # what the minimum pages hold: "4 × 8,192 tokens"
 
     @property
     def total(self) -> int:
         return self.weights + self.graphs + self.live_state + self.prefix_cache + self.minimum_pages
 
     def text(self) -> str:
-        pages = (f"{_gib(self.minimum_pages)} minimum pages "
-                 f"({self.concurrency} × {self.tokens_per_request:,} tokens)")
+        pages = f"{_gib(self.minimum_pages)} minimum pages ({self.minimum_text})"
         return (f"needs {_gib(self.weights)} weights + {_gib(self.graphs)} graphs + "
                 f"{_gib(self.live_state)} live state + {_gib(self.prefix_cache)} prefix cache\n"
                 f"{INDENT}+ {pages} = {_gib(self.total)};")
@@ -206,21 +207,20 @@ def choose_gpus(estimate: MemoryEstimate, all_budgets: Sequence[Budget],
 def pool_capacity_error(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,
                         kv_cache_limit: KVCacheLimit) -> CapacityError:
     """Startup found too little memory for the KV pool's minimum (raised by size_kv_pool)."""
-    minimum = minimum_pages(geometry, kv_cache_limit)
-    per_request_tokens = (minimum // geometry.max_concurrency) * geometry.page_size
+    minimum = pool_minimum(geometry, kv_cache_limit)
     requirement = Requirement(weights=fixed.weights, graphs=fixed.graphs, live_state=fixed.live_state,
                               prefix_cache=fixed.prefix_cache_floor,
-                              minimum_pages=minimum * geometry.bytes_per_page,
-                              concurrency=geometry.max_concurrency, tokens_per_request=per_request_tokens)
+                              minimum_pages=minimum.pages * geometry.bytes_per_page, minimum_text=minimum.text)
     options = []
     reserve = reserve_option(budget, requirement.total)
     if reserve:
         options.append(reserve[0])
-    pages_per_request = minimum // geometry.max_concurrency
     room = budget.available - fixed.total
-    fitting_concurrency = room // (pages_per_request * geometry.bytes_per_page) if room > 0 else 0
-    if 1 <= fitting_concurrency < geometry.max_concurrency:
-        options.append(f"--max-concurrency {fitting_concurrency}")
+    fitting = [concurrency for concurrency in range(geometry.max_concurrency - 1, 0, -1)
+               if pool_minimum(replace(geometry, max_concurrency=concurrency), kv_cache_limit).pages
+               * geometry.bytes_per_page <= room]
+    if fitting:
+        options.append(f"--max-concurrency {fitting[0]}")
     if kv_cache_limit == "memory" and room >= geometry.max_concurrency * geometry.bytes_per_page:
         options.append("--kv-cache-limit concurrency")
     return _error(requirement.text(), budget, options)
@@ -290,5 +290,6 @@ def size_kv_pool(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,
         pages, limited_by = by_memory, "memory"
     if pages < minimum_pages(geometry, kv_cache_limit):
         raise pool_capacity_error(budget, fixed, geometry, kv_cache_limit)
+    floor = request_floor(pages, geometry) if kv_cache_limit == "memory" else None
     return KVPool(pages=pages, page_size=geometry.page_size, bytes=pages * geometry.bytes_per_page,
-                  limited_by=limited_by)  # type: ignore[arg-type]
+                  limited_by=limited_by, floor=floor)  # type: ignore[arg-type]

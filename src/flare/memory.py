@@ -33,7 +33,13 @@ HEADROOM_FREE_PREFILL_TOKENS = 4096
 # addresses), so this margin stands in for what that measurement would see. Export counts it too
 # (prepare._fit_memory), so a package that prepares on a GPU also starts there.
 SERVING_HEADROOM = 2 * GiB
+# Memory mode's startup floor of KV tokens per active request: the specification's 8,192 while the pool
+# can back it; at a concurrency where it cannot, the floor narrows so that concurrency × floor fits the
+# pool, down to NARROWEST_TOKENS_PER_REQUEST, as long as the pool still holds one whole prepared context
+# (issue 14's width rule, a stated divergence from the spec's fixed floor: 256 users of an 8B model on
+# one H200). A full pool then makes admission wait and preempts by recomputation.
 MEMORY_MODE_MIN_TOKENS_PER_REQUEST = 8192
+NARROWEST_TOKENS_PER_REQUEST = 1024
 
 KV_CACHE_LIMITS = ("memory", "context", "concurrency")
 KVCacheLimit = Literal["memory", "context", "concurrency"]
@@ -363,11 +369,35 @@ class KVGeometry:
 
 
 @dataclass(frozen=True)
+class RequestFloor:
+    """The KV tokens memory mode guaranteed each active request at startup, and why (see
+    MEMORY_MODE_MIN_TOKENS_PER_REQUEST)."""
+
+    tokens: int
+    concurrency: int
+    pool_tokens: int
+
+    @property
+    def narrowed(self) -> bool:
+        return self.tokens < MEMORY_MODE_MIN_TOKENS_PER_REQUEST
+
+    def describe(self) -> str:
+        if not self.narrowed:
+            return f"{self.tokens:,} tokens per active request (the specification's floor)"
+        wide = self.concurrency * MEMORY_MODE_MIN_TOKENS_PER_REQUEST
+        return (f"{self.tokens:,} tokens per active request, narrowed from "
+                f"{MEMORY_MODE_MIN_TOKENS_PER_REQUEST:,}: {self.concurrency} × "
+                f"{MEMORY_MODE_MIN_TOKENS_PER_REQUEST:,} = {wide:,} tokens exceed the pool's "
+                f"{self.pool_tokens:,}; a full pool makes admission wait and preempts by recomputation")
+
+
+@dataclass(frozen=True)
 class KVPool:
     pages: int
     page_size: int
     bytes: int
     limited_by: Literal["memory", "context ceiling", "concurrency ceiling"]
+    floor: RequestFloor | None = None       # memory mode only
 
     @property
     def tokens(self) -> int:
@@ -378,9 +408,37 @@ class KVPool:
                 f"({self.bytes / GiB:.1f} GiB), limited by {self.limited_by}")
 
 
+@dataclass(frozen=True)
+class PoolMinimum:
+    pages: int
+    text: str                   # what it is made of, for the section-6 message: "4 × 8,192 tokens"
+
+
+def pool_minimum(geometry: KVGeometry, kv_cache_limit: KVCacheLimit) -> PoolMinimum:
+    """The smallest pool startup accepts. Memory mode: 8,192 tokens per active request, or, if that is
+    less, 1,024 per request and one whole prepared context (the width rule); a capped pool: one page per
+    active request."""
+    concurrency = geometry.max_concurrency
+    if kv_cache_limit != "memory":
+        return PoolMinimum(concurrency, f"{concurrency} × {geometry.page_size} tokens")
+    wide = concurrency * geometry.pages_for(MEMORY_MODE_MIN_TOKENS_PER_REQUEST)
+    narrow = concurrency * geometry.pages_for(NARROWEST_TOKENS_PER_REQUEST)
+    context = geometry.pages_for(geometry.max_context)
+    if wide <= max(narrow, context):
+        return PoolMinimum(wide, f"{concurrency} × {MEMORY_MODE_MIN_TOKENS_PER_REQUEST:,} tokens")
+    if narrow >= context:
+        return PoolMinimum(narrow, f"{concurrency} × {NARROWEST_TOKENS_PER_REQUEST:,} tokens")
+    return PoolMinimum(context, f"one {geometry.max_context:,}-token context")
+
+
 def minimum_pages(geometry: KVGeometry, kv_cache_limit: KVCacheLimit) -> int:
-    """The smallest pool startup accepts: 8,192 tokens per active request in memory mode, one page per
-    active request when a ceiling caps the pool."""
-    if kv_cache_limit == "memory":
-        return geometry.max_concurrency * geometry.pages_for(MEMORY_MODE_MIN_TOKENS_PER_REQUEST)
-    return geometry.max_concurrency
+    return pool_minimum(geometry, kv_cache_limit).pages
+
+
+def request_floor(pages: int, geometry: KVGeometry) -> RequestFloor:
+    """Memory mode's floor for a pool of `pages` that met its minimum: 8,192 tokens per active request
+    where the pool backs that, else the pool's even share (at least 1,024)."""
+    share = pages // geometry.max_concurrency * geometry.page_size
+    return RequestFloor(tokens=min(share, MEMORY_MODE_MIN_TOKENS_PER_REQUEST), concurrency=geometry.max_concurrency,
+                        pool_tokens=pages * geometry.page_size)
+

@@ -285,7 +285,7 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
                                                                   plan.max_model_len),
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
         kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype]),
-        max_concurrency=plan.max_concurrency)
+        max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size)
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
     headroom = max(engine_headroom("preparation", plan.prefill_chunk), engine_headroom("serving"))
     budgets = [memory_budget(d, headroom, reserve=plan.memory_reserve_bytes) for d in devices]

@@ -168,11 +168,13 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
     limit = engine_config.kv_pool_limited_by          # memory | context | concurrency
     if device != "cuda" and limit != "memory":
         limit += " (without a GPU the pool stops at one context per active request)"
+    floor = [f"  KV floor: {pool.floor.describe()}"] if pool.floor is not None else []
     return [
         f"Serving {names} (model {model.canonical_id}) at {url}/v1",
         f"  footprint: {gib(model.weight_bytes)} weights + {gib(pool.bytes)} KV cache on {device}",
         f"  KV cache: {pool.tokens:,} tokens allocated ({pool.pages:,} pages of {pool.page_size}); "
         f"limited by {limit}",
+        *floor,
         f"  concurrency {engine_config.max_concurrency}, context {engine_config.max_model_len:,} tokens, "
         f"authentication {'on' if settings.api_key else 'off'}",
         f"  scheduler {engine_config.scheduler_policy.name}: step budget {engine_config.max_num_batched_tokens:,} "
