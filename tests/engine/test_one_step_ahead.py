@@ -213,3 +213,44 @@ def test_tiny_llama_greedy_tokens_are_the_same_either_way(tiny_llama, setting):
     assert tokens == expected and ahead.core.runner.ran_ahead() > 20
     if setting == "preempting":
         assert ahead.core.stats().num_preemptions > 0
+
+
+# ---- on a GPU: captured decode graphs, ids left on the device -----------------------------------
+
+def gpu_engine(directory, ahead: bool, dtype: str, **settings) -> LLMEngine:
+    """The engine as served on CUDA: Triton attention, decode steps replayed as captured graphs."""
+    from flare.engine.factory import load_checkpoint_model
+    from flare.engine.runner import ModelRunner
+    from flare.frontend.tokenizer import load_tokenizer
+
+    config = EngineConfig(**settings, one_step_ahead=ahead)
+    loaded = load_checkpoint_model(directory, config, "cuda", dtype)
+    runner = ModelRunner(loaded.model, loaded.model_config, config, "cuda", getattr(torch, dtype), seed=0)
+    assert runner.graphs is not None and runner.graphs.graphs, "no graph was captured"
+    return LLMEngine(EngineCore(config, Ordered(runner), loaded.eos_token_ids), load_tokenizer(directory))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("setting", TINY_SETTINGS)
+def test_captured_graphs_one_step_ahead_give_the_same_tokens_on_the_gpu(tiny_llama, dtype, setting):
+    generator = torch.Generator().manual_seed(2)
+    prompts = [[1] + torch.randint(3, 512, (n - 1,), generator=generator).tolist() for n in (3, 40, 9, 17, 1, 24)]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=48, ignore_eos=True, logprobs=1)
+    params = [greedy, seeded] * 3
+    results = {}
+    for ahead in (False, True):
+        engine = gpu_engine(tiny_llama, ahead, dtype, **TINY_SETTINGS[setting])
+        outputs = engine.generate(prompts, params)
+        engine.check_integrity()
+        results[ahead] = (engine, outputs)
+    (sync, expected), (ahead, outputs) = results[False], results[True]
+    assert [o.new_token_ids for o in outputs] == [o.new_token_ids for o in expected]
+    for mine, theirs in zip(outputs, expected):
+        assert [e.logprob for e in mine.new_logprobs] == pytest.approx([e.logprob for e in theirs.new_logprobs],
+                                                                        abs=1e-3)
+    assert sync.core.runner.ran_ahead() == 0 and ahead.core.runner.ran_ahead() > 20
+    if setting == "preempting":
+        assert ahead.core.stats().num_preemptions > 0

@@ -10,12 +10,12 @@ Hot path: keep it small.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from flare.engine.config import EngineConfig
@@ -192,21 +192,24 @@ class EngineCore:
             return None
         plan = self._with_token_masks(scheduled)
         pending = self.runner.launch(plan)
-        runs_ahead = True
+        runs_ahead, max_model_len = True, self.config.max_model_len
         for row, request in zip(plan.rows, scheduled.requests):
-            request.num_computed_tokens += row.num_fed_tokens
+            request.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids)
             if row.samples:
                 request.num_pending_outputs += 1
                 runs_ahead = runs_ahead and self._samples_ahead(row, request)
-                if request.tokens_left(self.config.max_model_len) <= 0:
+                if request.tokens_left(max_model_len) <= 0:
                     self.scheduler.retire(request)          # its last token is sampled: nothing to plan
             self._commit(request)
         return _Launched(plan, scheduled.requests, pending, runs_ahead)
 
     def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
         """Whether the request's next row may be planned before this one's ids arrive."""
-        return (not row.draft_token_ids and row.token_mask is None and self.drafter is None
-                and self.runner.samples_ahead(request.params))
+        if row.draft_token_ids or row.token_mask is not None or self.drafter is not None:
+            return False
+        if request.samples_ahead is None:                   # its params never change: ask once
+            request.samples_ahead = self.runner.samples_ahead(request.params)
+        return request.samples_ahead
 
     def _propose_drafts(self) -> None:
         for request in self.scheduler.running:
@@ -219,39 +222,44 @@ class EngineCore:
         plan, masker = scheduled.plan, self.token_masker
         if masker is None:
             return plan
-        rows = tuple(dataclasses.replace(row, token_mask=masker.next_token_mask(request)[None, :])
+        rows = tuple(msgspec.structs.replace(row, token_mask=masker.next_token_mask(request)[None, :])
                      if row.samples and masker.constrains(request) else row
                      for row, request in zip(plan.rows, scheduled.requests))
-        return dataclasses.replace(plan, rows=rows)
+        return msgspec.structs.replace(plan, rows=rows)
 
     def _commit(self, request: Request) -> None:
         """Record the cached pages of the request's computed tokens whose ids are known. A retired request
         gives its pages back once they are all recorded: in the step that retired it, or when the id it
         was still waiting for arrives (before the next plan either way)."""
-        if request.status not in (RequestStatus.RUNNING, RequestStatus.RETIRED):
-            return
-        if not self.allocator.holds(request.request_id):
-            return
-        computed = min(request.num_computed_tokens, request.num_known_tokens)
-        self.allocator.commit(request.request_id, request.all_token_ids, computed)
-        if request.status is RequestStatus.RETIRED and computed == request.num_computed_tokens:
-            self.allocator.free(request.request_id)
+        status = request.status
+        if status is RequestStatus.RUNNING:
+            if self.allocator.enable_prefix_caching:
+                computed = min(request.num_computed_tokens, len(request.all_token_ids))
+                self.allocator.commit(request.request_id, request.all_token_ids, computed)
+        elif status is RequestStatus.RETIRED and self.allocator.holds(request.request_id):
+            computed = min(request.num_computed_tokens, len(request.all_token_ids))
+            self.allocator.commit(request.request_id, request.all_token_ids, computed)
+            if computed == request.num_computed_tokens:
+                self.allocator.free(request.request_id)
 
     def _receive(self, launched: _Launched) -> list[CoreOutput]:
         """Wait for a launched step's ids and bring its requests up to date; the rows of requests that
         finished or were aborted meanwhile are waste, and dropped."""
         result = launched.pending.result()
-        outputs = []
+        outputs, finished = [], RequestStatus.FINISHED
+        computed = 0
         for index, (row, request) in enumerate(zip(launched.plan.rows, launched.requests)):
-            if request.status is RequestStatus.FINISHED:
+            if request.status is finished:
                 continue
-            accepted = len(result.token_ids[index]) - 1 if row.samples else 0
-            self._num_computed_tokens += row.num_fed_tokens + accepted
-            found = result.row_prompt_logprobs(index)
+            computed += row.num_new_tokens - len(row.draft_token_ids)
+            found = result.prompt_logprobs[index] if result.prompt_logprobs else None
             if found is not None:
                 add_prompt_logprobs(request, found.first_token, found.entries)
             if row.samples:
-                outputs.append(self._append_tokens(request, result.token_ids[index], result.row_logprobs(index)))
+                token_ids = result.token_ids[index]
+                computed += len(token_ids) - 1                     # accepted drafts
+                outputs.append(self._append_tokens(request, token_ids, result.row_logprobs(index)))
+        self._num_computed_tokens += computed
         return outputs
 
     def _append_tokens(self, request: Request, token_ids, logprobs) -> CoreOutput:

@@ -109,6 +109,8 @@ class PageAllocator:
     def allocate(self, request_id: str, num_tokens: int) -> None:
         """Grow `request_id`'s pages to hold `num_tokens` tokens. Ask `can_allocate` first."""
         missing = self._pages_missing(request_id, num_tokens)
+        if missing == 0 and request_id in self._page_tables:
+            return                                          # the common decode step: room already
         if missing > self.num_free_pages:
             raise KVCacheIntegrityError(
                 f"request {request_id!r} needs {missing} more pages, only {self.num_free_pages} are free")
@@ -187,7 +189,8 @@ class PageAllocator:
     # ---- internals -------------------------------------------------------------------------------
 
     def _pages_missing(self, request_id: str, num_tokens: int) -> int:
-        return max(0, self.pages_for(num_tokens) - len(self._page_tables.get(request_id, ())))
+        missing = -(-num_tokens // self.page_size) - len(self._page_tables.get(request_id, ()))
+        return missing if missing > 0 else 0
 
     def _take_page(self) -> int:
         if self._free:

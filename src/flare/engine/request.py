@@ -57,6 +57,7 @@ class Request:
         self.seated = False                 # the runner holds the request in its slot
         self.num_pages_sent = 0             # pages of its table the runner was given
         self.draft_token_ids: tuple[int, ...] = ()   # proposed for the next step (speculation)
+        self.samples_ahead: bool | None = None      # the runner's answer for its params, once asked
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if request.params.prompt_logprobs is not None else None)
 
@@ -89,7 +90,10 @@ class Request:
 
     def tokens_left(self, max_model_len: int) -> int:
         """Most tokens it may still sample: under max_tokens and under the context limit."""
-        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
+        pending = self.num_pending_outputs
+        by_count = self.params.max_tokens - len(self.output_token_ids) - pending
+        by_length = max_model_len - len(self.all_token_ids) - pending
+        return by_count if by_count < by_length else by_length
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -32,14 +32,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from flare.engine.config import EngineConfig
 from flare.engine.kv_cache import PageAllocator
 from flare.engine.request import Request, RequestStatus
 from flare.engine.step import NewRequest, ScheduledRow, StepPlan
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(msgspec.Struct, frozen=True):
     """Tokens `start .. start + num_new_tokens` of `request`, computed this step; the last
     `len(draft_token_ids)` of them are drafts.
 
@@ -183,8 +184,10 @@ class Scheduler:
 
     def _schedule_decode(self, request: Request, step: _StepPlan, now: float) -> None:
         """The request's next token, and the draft tokens it carries as far as budget and length allow."""
-        room = min(step.budget, request.tokens_left(self.config.max_model_len)) - 1
-        drafts = request.draft_token_ids[:max(0, room)]
+        drafts = request.draft_token_ids
+        if drafts:
+            room = min(step.budget, request.tokens_left(self.config.max_model_len)) - 1
+            drafts = drafts[:max(0, room)]
         self._schedule_running(request, 1 + len(drafts), False, step, now, drafts)
 
     def _schedule_running(self, request: Request, num_new: int, prefill: bool, step: _StepPlan, now: float,
