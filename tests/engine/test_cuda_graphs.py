@@ -14,6 +14,7 @@ from flare.engine.cuda_graphs import DecodeGraphs, bucket_for
 from flare.engine.factory import load_checkpoint_model
 from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.runner import ModelRunner
+from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
 from flare.engine.step import NewRequest, ScheduledRow, StepPlan
 from flare.engine.step_inputs import decode_rows
@@ -53,13 +54,15 @@ def test_padded_rows_write_only_the_dummy_slot(stories260k):
     for cache in caches:
         cache.fill_(7.0)
     dummy = pages * page_size
-    slots = BatchSlots(max_slots=2, max_pages=4, dummy_page=pages, device=torch.device("cpu"))
+    sampler = DeviceSampler(2, loaded.model_config.vocab_size, "cpu", seed=0)
+    slots = BatchSlots(max_slots=2, max_pages=4, dummy_page=pages, device=torch.device("cpu"), sampler=sampler)
     graphs = DecodeGraphs(loaded.model, caches, (4,), slots, page_size=page_size, max_seq_len=64, capture=False)
     plan = StepPlan((ScheduledRow("r", 1, 0, 1, new_page_ids=(3,), samples=True),),
-                    (NewRequest("r", 1, (5,), (), SamplingParams()),))
+                    (NewRequest("r", 1, (5,), (), SamplingParams(temperature=0)),))
     slots.apply(plan)
-    hidden, logits = graphs.run(decode_rows(plan, slots))
-    assert hidden.shape[0] == logits.shape[0] == 1 and torch.isfinite(logits).all()
+    hidden, logits, token_ids = graphs.run(decode_rows(plan, slots))
+    assert hidden.shape[0] == logits.shape[0] == token_ids.shape[0] == 1 and torch.isfinite(logits).all()
+    assert token_ids.tolist() == logits.argmax(dim=-1).tolist() == slots.last_sampled[1:2].tolist()
     for cache in caches:
         slots = cache.flatten(1, 2)                                 # [2, slots, heads, dim]
         written = (slots != 7.0).any(dim=-1).any(dim=-1).any(dim=0).nonzero().flatten().tolist()
@@ -69,7 +72,8 @@ def test_padded_rows_write_only_the_dummy_slot(stories260k):
 
 def test_a_batch_larger_than_the_catalog_is_refused(stories260k):
     loaded = load_checkpoint_model(stories260k, CONFIG)
-    slots = BatchSlots(max_slots=3, max_pages=2, dummy_page=1, device=torch.device("cpu"))
+    sampler = DeviceSampler(3, loaded.model_config.vocab_size, "cpu", seed=0)
+    slots = BatchSlots(max_slots=3, max_pages=2, dummy_page=1, device=torch.device("cpu"), sampler=sampler)
     graphs = DecodeGraphs(loaded.model, [torch.zeros(2, 2, 16, 1, 8)], (1, 2), slots, page_size=16,
                           max_seq_len=32, capture=False)
     rows = np.array([[0, 1, 2], [0, 0, 0], [1, 2, 3]])          # slot, position, token id of three rows
@@ -124,3 +128,39 @@ def test_compiled_layers_in_captured_graphs_give_the_eager_greedy_tokens(tiny_ll
     compiled = checked(engine(tiny_llama, "cuda", "float32", compiled=True))
     expected = [out.new_token_ids for out in eager.generate(PROMPTS[:3], GREEDY)]
     assert [out.new_token_ids for out in compiled.generate(PROMPTS[:3], GREEDY)] == expected
+
+
+MIXED_SAMPLING = [GREEDY,
+                  SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True, logprobs=2),
+                  SamplingParams(temperature=0.6, top_k=20, seed=6, max_tokens=24, ignore_eos=True,
+                                 repetition_penalty=1.2, frequency_penalty=0.3, logit_bias=((7, 2.0),)),
+                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.5, logprobs=0)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_inside_the_captured_graph_gives_the_eager_runner_s_tokens(tiny_llama, checked, dtype):
+    """The device sampler runs inside the decode graph (greedy, top-p, top-k, penalties, bias, seeds) and
+    in the eager runner; both give the same tokens and logprobs."""
+    eager = checked(engine(tiny_llama, "cuda", dtype, graphs=False))
+    graphed = checked(engine(tiny_llama, "cuda", dtype))
+    assert graphed.core.runner.graphs.graphs, "no graph was captured"
+    expected = eager.generate(PROMPTS, MIXED_SAMPLING)
+    outputs = graphed.generate(PROMPTS, MIXED_SAMPLING)
+    assert [o.new_token_ids for o in outputs] == [o.new_token_ids for o in expected]
+    for mine, theirs in zip(outputs, expected):
+        assert [e.logprob for e in mine.new_logprobs] == pytest.approx([e.logprob for e in theirs.new_logprobs],
+                                                                        abs=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_sampling_in_the_captured_graph_is_batch_invariant(tiny_llama, checked):
+    graphed = checked(engine(tiny_llama, "cuda", "float32"))
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=24, ignore_eos=True)
+    [alone] = graphed.generate([PROMPTS[1]], seeded)
+    crowd = graphed.generate(PROMPTS, [MIXED_SAMPLING[1], seeded, MIXED_SAMPLING[2], GREEDY])
+    assert crowd[1].new_token_ids == alone.new_token_ids
+    [again] = checked(engine(tiny_llama, "cuda", "float32")).generate([PROMPTS[1]], seeded)
+    assert again.new_token_ids == alone.new_token_ids

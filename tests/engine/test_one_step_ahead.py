@@ -185,12 +185,13 @@ def test_seeds_logprobs_and_prompt_logprobs_are_the_same_either_way(stories260k)
                 [e.logprob for e in theirs.prompt_logprobs[1:]], abs=1e-5)
 
 
-def test_penalized_requests_wait_for_their_ids_and_give_the_same_tokens(stories260k):
-    params = [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=30)]
-    _, expected, _, ahead, tokens, _ = generate_both(stories260k, params * 2, **STORIES_SETTINGS["roomy"])
+def test_penalized_and_biased_requests_run_ahead_and_give_the_same_tokens(stories260k):
+    """The device sampler counts penalties from the sampled ids on the device: nothing waits for the host."""
+    params = [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, logit_bias=((376, -5.0),)),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=30, frequency_penalty=0.5, presence_penalty=0.2)]
+    _, expected, _, ahead, tokens, _ = generate_both(stories260k, params * 2, **STORIES_SETTINGS["preempting"])
     assert tokens == expected
-    assert ahead.core.runner.ran_ahead() == 0      # the host sampler counts penalties from ids on the host
+    assert ahead.core.runner.ran_ahead() > 20 and ahead.core.stats().num_preemptions > 0
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from flare.engine.sampler import PenaltyCounts, Sampler
 from flare.engine.sampling_params import SamplingParams
 
 VOCAB = 40
+VOCAB_OF_STORIES = 512
 
 
 def from_scratch(requests, vocab_size):
@@ -72,36 +73,49 @@ def test_counts_go_with_a_finished_request_or_when_forgotten():
 
 
 def test_penalties_under_preemption_match_a_roomy_engine_and_fresh_counts(stories260k, checked, monkeypatch):
-    original = sampler_module.apply_penalties_and_bias
-    compared = []
+    """Through the engine, whose runner samples with the DeviceSampler: before every sample, each penalty
+    request's counts on the device equal counting its tokens afresh; a preempted request's counts are
+    rebuilt from its output once, when it resumes."""
+    from flare.kernels import sampling_reference
 
-    def compare(logits, requests, counts=None):
-        kept = original(logits, requests, counts)
-        assert torch.equal(kept, original(logits, requests))
-        compared.append(len(requests))
-        return kept
+    original = sampling_reference.sample_reference
+    compared, resumed, engines = [], [], []
 
-    monkeypatch.setattr(sampler_module, "apply_penalties_and_bias", compare)
+    def compare(logits, slots, positions, tables, allowed_bitmask=None, update_counts=True):
+        core = engines[-1].core
+        for request in core.scheduler.running:
+            penalized = request.params.repetition_penalty != 1.0 or request.params.frequency_penalty \
+                or request.params.presence_penalty
+            if request.seated and request.slot in slots.tolist() and penalized:
+                fresh = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.int64),
+                                       minlength=VOCAB_OF_STORIES)
+                assert torch.equal(tables.output_counts[request.slot].long(), fresh)
+                assert torch.equal(tables.prompt_bits[request.slot],
+                                   sampling_reference.pack_bits(request.prompt_token_ids, VOCAB_OF_STORIES))
+                compared.append(request.request_id)
+        return original(logits, slots, positions, tables, allowed_bitmask, update_counts)
+
+    monkeypatch.setattr(sampling_reference, "sample_reference", compare)
+    add = sampler_module.DeviceSampler.add
+    monkeypatch.setattr(sampler_module.DeviceSampler, "add", lambda self, slot, params, prompt, output=():
+                        (resumed.append(slot) if output else None, add(self, slot, params, prompt, output)))
     prompts = ["Once upon a time there was a little girl named Lily", "Tom had a big dog. The dog was happy",
                "The sun was hot and the children played in the park"]
     params = [SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3),
               SamplingParams(temperature=0.8, seed=7, max_tokens=40, frequency_penalty=0.5, presence_penalty=0.3),
               SamplingParams(temperature=0, max_tokens=40, presence_penalty=-0.5, repetition_penalty=0.9)]
 
-    forgotten = []
-
     def run(**settings):
-        config = EngineConfig(**{"page_size": 16, "num_pages": 64, "max_model_len": 512, **settings})
-        engine = checked(LLMEngine.from_checkpoint(stories260k, config, seed=0))
-        counts = engine.core.runner.sampler.penalty_counts
-        forget = counts.forget
-        monkeypatch.setattr(counts, "forget", lambda ids: (forgotten.extend(ids), forget(ids)))
-        return engine, [o.new_token_ids for o in engine.generate(prompts, params)]
+        # One step at a time, so that the host holds every id the device has counted when it compares.
+        config = EngineConfig(**{"page_size": 16, "num_pages": 64, "max_model_len": 512, **settings},
+                              one_step_ahead=False)
+        engines.append(checked(LLMEngine.from_checkpoint(stories260k, config, seed=0)))
+        return engines[-1], [o.new_token_ids for o in engines[-1].generate(prompts, params)]
 
     _, roomy = run()
-    assert not forgotten
+    assert not resumed
     tight, squeezed = run(page_size=4, num_pages=24, max_model_len=96, prefill_chunk=4, max_num_batched_tokens=8)
-    assert tight.core.stats().num_preemptions == len(forgotten) > 0
+    assert tight.core.stats().num_preemptions == len(resumed) > 0
     assert squeezed == roomy
     assert len(compared) > 80
 

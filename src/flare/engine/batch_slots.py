@@ -1,10 +1,11 @@
 """The runner's batch slots: what it keeps per request from step to step (hot path, keep it small).
 
-Host side, one `SlotRequest` per occupied slot: the ids the request crossed with, its sampling params,
-its outputs as they arrive (the host sampler's penalties count them) and a seeded generator. Device
-side, for every slot plus one padding row: the page table, and the id sampled last (the input of the
-slot's next decode, read there whether or not it has reached the host). Tables change only by the
-pages a plan adds (`flare.engine.step`: deltas, not snapshots).
+Host side, one `SlotRequest` per occupied slot: the ids the request crossed with and its sampling
+params. Device side, for every slot plus one padding row: the page table, and the id sampled last (the
+input of the slot's next decode, read there whether or not it has reached the host). Tables change only
+by the pages a plan adds (`flare.engine.step`: deltas, not snapshots). The device sampler's per-slot
+tables (`flare.engine.sampler.DeviceSampler`) follow the same seats: written when a request takes a
+slot, cleared when it leaves.
 """
 
 from __future__ import annotations
@@ -12,66 +13,67 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
 from flare.engine.step import NewRequest, StepPlan
 
 
 class SlotRequest:
-    """One request in its slot, as the runner sees it (the host sampler reads these attributes)."""
+    """One request in its slot, as the runner sees it."""
 
-    __slots__ = ("request_id", "params", "prompt_token_ids", "output_token_ids", "known_token_ids",
-                 "generator", "__weakref__")
+    __slots__ = ("request_id", "params", "prompt_token_ids", "known_token_ids")
 
-    def __init__(self, new: NewRequest, generator=None) -> None:
+    def __init__(self, new: NewRequest) -> None:
         self.request_id = new.request_id
         self.params: SamplingParams = new.params
-        self.prompt_token_ids = list(new.prompt_token_ids)
-        self.output_token_ids = list(new.output_token_ids)          # grows as sampled ids reach the host
+        self.prompt_token_ids = new.prompt_token_ids
         self.known_token_ids = np.array(new.prompt_token_ids + new.output_token_ids, dtype=np.int64)
-        self.generator = generator
 
 
 class BatchSlots:
     """`max_slots` slots; row `padding_row` of the device tables is the padding rows' (the dummy page)."""
 
-    def __init__(self, max_slots: int, max_pages: int, dummy_page: int, device: torch.device) -> None:
+    def __init__(self, max_slots: int, max_pages: int, dummy_page: int, device: torch.device,
+                 sampler: DeviceSampler | None = None) -> None:
+        self.sampler = sampler
         self.max_pages = max_pages
         self.padding_row = max_slots
         self.page_tables = torch.full((max_slots + 1, max_pages), dummy_page, dtype=torch.int32, device=device)
         self.last_sampled = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
+        self._slot_of: dict[str, int] = {}
         self.reset()
 
     def reset(self) -> None:
         """Every slot free (the device tables keep stale rows: a slot's rows are written before they are read)."""
+        for slot in self._slot_of.values():
+            self._release(slot)
         self.requests: list[SlotRequest | None] = [None] * self.padding_row
         self.num_pages = [0] * self.padding_row
         self._slot_of: dict[str, int] = {}
-        self._saved_generators: dict[str, torch.Generator] = {}     # seeded requests preempted, by id
 
     def apply(self, plan: StepPlan) -> None:
         """The plan's deltas: free the preempted and finished, seat the new, append the new pages."""
-        for request_id in plan.preempted_request_ids:
-            state = self._free(request_id)
-            if state is not None and state.generator is not None:
-                self._saved_generators[request_id] = state.generator    # its draws continue where they were
-        for request_id in plan.finished_request_ids:
-            self._free(request_id)
-            self._saved_generators.pop(request_id, None)
+        for request_id in (*plan.preempted_request_ids, *plan.finished_request_ids):
+            slot = self._slot_of.pop(request_id, None)
+            if slot is not None:
+                self.requests[slot] = None
+                self._release(slot)
         for new in plan.new_requests:
             if self.requests[new.slot] is not None:
                 raise RuntimeError(f"slot {new.slot} is taken by {self.requests[new.slot].request_id!r}; "
                                    f"the plan seats {new.request_id!r} there without freeing it")
-            self.requests[new.slot] = SlotRequest(new, self._saved_generators.pop(new.request_id, None))
+            self.requests[new.slot] = SlotRequest(new)
             self.num_pages[new.slot] = 0
             self._slot_of[new.request_id] = new.slot
+            if self.sampler is not None:
+                # Penalty counts start from the output so far; a seeded request's draws depend only on
+                # its seed and positions, so a resumed request samples as it would have.
+                self.sampler.add(new.slot, new.params, new.prompt_token_ids, new.output_token_ids)
         self._add_pages(plan)
 
-    def _free(self, request_id: str) -> SlotRequest | None:
-        slot = self._slot_of.pop(request_id, None)
-        if slot is None:
-            return None
-        state, self.requests[slot] = self.requests[slot], None
-        return state
+    def _release(self, slot: int) -> None:
+        if self.sampler is not None:
+            self.sampler.remove(slot)
 
     def _add_pages(self, plan: StepPlan) -> None:
         """One scatter into the device tables for every page the plan adds."""

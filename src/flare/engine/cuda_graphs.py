@@ -11,8 +11,11 @@ host has none), the page table rows, each row's K/V slot and context length. Pad
 padding slot, whose table is the dummy page: they read token 0 at position 0, write their K/V into a
 dummy slot that no request owns, and have an empty context; their logits are never read.
 
-The graph computes hidden states and float32 logits. Sampling stays outside it, on the logits of the
-real rows, so the sampler (seeded generators, penalties, logprobs) is exactly the eager one.
+The graph computes hidden states, float32 logits and the sampled ids: the device sampler
+(`flare.engine.sampler.DeviceSampler`, the slots' `sampler`) runs inside it on per-slot tables, and each
+row's id goes into its slot's `last_sampled`, the next decode's input. Padded rows sample for the
+sampler's padding slot (greedy, no penalties). The logits stay in the graph's static output buffer for
+rows that asked for logprobs, read before the next replay.
 
 On a CPU the same class runs the forward eagerly on the same static buffers (capture=False): the
 padding and bookkeeping are then testable without a GPU.
@@ -67,16 +70,13 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(largest, slots.max_pages, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if slots.sampler is None or slots.sampler.padding_slot != slots.padding_row:
+            raise ValueError("decode graphs sample inside the graph: give the slots a DeviceSampler of as many slots")
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
-
-    @property
-    def row_slots(self) -> torch.Tensor:
-        """The batch slot of each row of the latest step (padding rows: the padding slot)."""
-        return self.rows[0]
 
     def metadata(self, size: int):
         """The AttentionMetadata of a `size`-row step: views of the static buffers."""
@@ -98,11 +98,16 @@ class DecodeGraphs:
         self.slot_mapping[:size].copy_(pages.to(torch.int64) * self.page_size + positions % self.page_size)
         self.seq_lens[:size].copy_(torch.where(slots == self.slots.padding_row, 0, positions + 1))
 
-    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step on the first `size` rows of the static buffers: (hidden [size, H], logits [size, V])."""
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step on the first `size` rows of the static buffers: (hidden [size, H], logits [size, V],
+        sampled ids [size]); the ids are also each row's slot's `last_sampled`."""
         self._derive(size)
-        hidden = self.model(self.input_ids[:size], self.rows[1, :size], self.kv_caches, self.metadata(size))
-        return hidden, self.model.compute_logits(hidden)
+        slots, positions = self.rows[0, :size], self.rows[1, :size]
+        hidden = self.model(self.input_ids[:size], positions, self.kv_caches, self.metadata(size))
+        logits = self.model.compute_logits(hidden)
+        token_ids = self.slots.sampler.sample(logits, slots, positions + 1)     # the id of the next position
+        self.slots.last_sampled.index_copy_(0, slots, token_ids)
+        return hidden, logits, token_ids
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -123,9 +128,9 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def run(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """rows [3, B] int64 (slot, position, host id or FROM_LAST_SAMPLED per row): copy in, pad, replay;
-        (hidden, logits) of the real rows."""
+        (hidden, logits, sampled ids) of the real rows."""
         count = rows.shape[1]
         size = bucket_for(count, self.sizes)
         if size is None:
@@ -136,7 +141,7 @@ class DecodeGraphs:
         self.rows[:, :size].copy_(to_device(padded, self.rows.device))
         if self.capture:
             self.graphs[size].replay()
-            hidden, logits = self.outputs[size]
+            hidden, logits, token_ids = self.outputs[size]
         else:
-            hidden, logits = self.forward(size)
-        return hidden[:count], logits[:count]
+            hidden, logits, token_ids = self.forward(size)
+        return hidden[:count], logits[:count], token_ids[:count]

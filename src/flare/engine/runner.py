@@ -2,14 +2,15 @@
 
 The runner implements `flare.engine.step.StepRunner`: it applies a plan's deltas to its batch slots
 (`flare.engine.batch_slots`), builds the step's inputs from them (`flare.engine.step_inputs`), runs the
-model, samples, and writes each sampled id into its slot's `last_sampled` entry, where the slot's next
-decode reads it. `launch` returns before anything is read back: the ids, logprobs and prompt logprobs
+model, samples with the device sampler (`flare.engine.sampler.DeviceSampler`: per-slot tables written
+when a request takes its slot), and writes each sampled id into its slot's `last_sampled` entry, where
+the slot's next decode reads it. `launch` returns before anything is read back: the ids, logprobs and prompt logprobs
 travel to host memory behind the step on the device's queue, and `PendingStep.result()` waits for them.
 Nothing in `launch` waits for the device.
 
 On CUDA, a step whose rows all feed one token and sample (decode) replays a captured graph of the
-smallest catalog size that holds it (flare.engine.cuda_graphs); other steps run the model directly
-(compiled when `compile_model` was applied). Sampling is the same code on both paths.
+smallest catalog size that holds it (flare.engine.cuda_graphs), sampling inside the graph; other steps
+run the model directly (compiled when `compile_model` was applied) and call the same sampler.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from flare.engine.batch_slots import BatchSlots, SlotRequest, to_device
 from flare.engine.config import EngineConfig
 from flare.engine.logprobs import SelectedLogprobs, select_logprobs
-from flare.engine.sampler import Sampler
+from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
 from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult
 from flare.engine.step_inputs import decode_rows, flat_inputs
@@ -42,15 +43,17 @@ class ModelRunner:
         self.config = config
         self.vocab_size = model_config.vocab_size
         self.device = torch.device(device)
-        self.sampler = Sampler(self.device, seed)
         on_cuda = self.device.type == "cuda"
         if graphs is None:
             from flare.engine.cuda_graphs import runs_triton_attention
 
             graphs = on_cuda and runs_triton_attention(model)
+        rows = max(config.decode_graph_sizes[-1], config.max_concurrency + 1)      # most rows one call samples
+        self.sampler = DeviceSampler(config.max_concurrency, self.vocab_size, self.device, seed, max_rows=rows)
         # Padded rows (graphs) and the padding slot write into one extra page the allocator never hands out.
         self.kv_caches = allocate_kv_caches(model_config, config.num_pages + 1, config.page_size, dtype, self.device)
-        self.slots = BatchSlots(config.max_concurrency, config.max_pages_per_request, config.num_pages, self.device)
+        self.slots = BatchSlots(config.max_concurrency, config.max_pages_per_request, config.num_pages, self.device,
+                                self.sampler)
         self.graphs = None
         if graphs:
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
@@ -65,11 +68,11 @@ class ModelRunner:
         return graphs
 
     def reset(self) -> None:
-        self.slots.reset()          # the sampler's penalty counts go with the slot requests they are held by
+        self.slots.reset()
 
     def samples_ahead(self, params: SamplingParams) -> bool:
-        """The host sampler counts penalties from the output ids on the host, so it needs them first."""
-        return params.repetition_penalty == 1.0 and not (params.presence_penalty or params.frequency_penalty)
+        """Always: the device sampler keeps every request's state (penalty counts too) on the device."""
+        return True
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Launch the step and wait for its result."""
@@ -80,57 +83,53 @@ class ModelRunner:
         if any(row.draft_token_ids for row in plan.rows):
             raise NotImplementedError("draft tokens: this runner does not verify speculative tokens yet")
         self.slots.apply(plan)
-        self.sampler.forget(plan.preempted_request_ids)     # their counts are rebuilt when they resume
         states = [self.slots.requests[row.slot] for row in plan.rows]
-        sampling = [i for i, row in enumerate(plan.rows) if row.samples]
+        pending = PendingResult(plan, states, [i for i, row in enumerate(plan.rows) if row.samples])
         if self._fits_graph(plan.rows):
-            hidden, logits = self.graphs.run(decode_rows(plan, self.slots))
-            query_start, sample_slots = list(range(len(plan.rows) + 1)), self.graphs.row_slots[:len(plan.rows)]
+            hidden, logits, token_ids = self.graphs.run(decode_rows(plan, self.slots))
+            query_start = list(range(len(plan.rows) + 1))
         else:
             inputs = flat_inputs(plan, self.slots, self.config.page_size)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)) if sampling else None
-            query_start = inputs.query_start
-            sample_slots = to_device(np.array([plan.rows[i].slot for i in sampling], dtype=np.int64), self.device)
-        pending = PendingResult(plan, states, sampling)
+            query_start, logits, token_ids = inputs.query_start, None, None
+            if pending.sampling:
+                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+                token_ids = self.sampler.sample(logits, inputs.sample_slots, inputs.sample_positions,
+                                                self._token_bitmask([plan.rows[i] for i in pending.sampling]))
+                self.slots.last_sampled.index_copy_(0, inputs.sample_slots, token_ids)
         pending.prompt = self._prompt_logprobs(plan.rows, states, hidden, query_start)
-        if sampling:
-            self._sample(pending, [states[i] for i in sampling], [plan.rows[i] for i in sampling], logits,
-                         sample_slots)
+        if pending.sampling:
+            pending.token_ids = token_ids.to("cpu", non_blocking=True)
+            pending.logprobs = self._logprobs([states[i] for i in pending.sampling], logits, token_ids)
         if self.device.type == "cuda":
             pending.copied = torch.cuda.Event()
             pending.copied.record()             # behind the step's copies to the host
         return pending
 
     def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
+        """Decode rows only: one token each, sampled without a token mask (masked steps run eagerly)."""
         return (self.graphs is not None and len(rows) <= self.graphs.max_batch
-                and all(row.num_new_tokens == 1 and row.samples for row in rows))
+                and all(row.num_new_tokens == 1 and row.samples and row.token_mask is None for row in rows))
 
-    def _sample(self, pending: PendingResult, states: list[SlotRequest], rows: list[ScheduledRow],
-                logits: torch.Tensor, sample_slots: torch.Tensor) -> None:
-        """Sample the rows' next ids into their slots' `last_sampled`; start the ids (and the logprobs
-        of the raw model distribution, for rows that asked) on their way to the host."""
+    def _token_bitmask(self, rows: list[ScheduledRow]) -> torch.Tensor | None:
+        """The sampling rows' grammar bitmasks, [rows, ceil(V / 32)] int32 (-1: every token allowed)."""
+        if all(row.token_mask is None for row in rows):
+            return None
+        bitmask = np.full((len(rows), -(-self.vocab_size // 32)), -1, dtype=np.int32)
+        for i, row in enumerate(rows):
+            if row.token_mask is not None:
+                bitmask[i] = row.token_mask[0]
+        return to_device(bitmask, self.device)
+
+    def _logprobs(self, states: list[SlotRequest], logits: torch.Tensor, token_ids: torch.Tensor):
+        """Logprobs of the raw model distribution for the sampling rows that asked, on their way to the host."""
         asked = [i for i, state in enumerate(states) if state.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[asked], dim=-1) if asked else None
-        masked = [i for i, row in enumerate(rows) if row.token_mask is not None]
-        if masked:
-            logits = self._apply_token_masks(logits, rows, masked)
-        token_ids = self.sampler.sample(logits, states)
-        self.slots.last_sampled.index_copy_(0, sample_slots, token_ids)
-        pending.token_ids = token_ids.to("cpu", non_blocking=True)
-        if asked:
-            index = to_device(np.array(asked, dtype=np.int64), self.device)
-            most = max(states[i].params.logprobs for i in asked)
-            pending.logprobs = (asked, select_logprobs(raw_logprobs, token_ids[index], most).to_host())
-
-    def _apply_token_masks(self, logits: torch.Tensor, rows: list[ScheduledRow], masked: list[int]) -> torch.Tensor:
-        from flare.engine.token_mask import apply_token_bitmask
-
-        words = -(-logits.shape[1] // 32)
-        bitmask = np.full((len(rows), words), -1, dtype=np.int32)       # unmasked rows: every token allowed
-        for i in masked:
-            bitmask[i] = rows[i].token_mask[0]
-        return apply_token_bitmask(logits, to_device(bitmask, self.device))
+        if not asked:
+            return None
+        index = to_device(np.array(asked, dtype=np.int64), self.device)
+        raw = torch.log_softmax(logits.index_select(0, index), dim=-1)
+        most = max(states[i].params.logprobs for i in asked)
+        return asked, select_logprobs(raw, token_ids.index_select(0, index), most).to_host()
 
     def _prompt_logprobs(self, rows, states, hidden: torch.Tensor, query_start: list[int]) -> dict:
         """Logprobs of the prompt tokens each row predicts: the row at position p scores token p + 1."""
@@ -170,7 +169,6 @@ class PendingResult:
         if self.token_ids is not None:
             for i, token_id in zip(self.sampling, self.token_ids.tolist()):
                 token_ids[i] = (token_id,)
-                self.states[i].output_token_ids.append(token_id)
         if self.logprobs is not None:
             asked, selected = self.logprobs
             entries = selected.entries([self.states[self.sampling[j]].params.logprobs for j in asked])

@@ -27,7 +27,9 @@ class FlatInputs:
     input_ids: torch.Tensor         # [T] int64
     positions: torch.Tensor         # [T] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor       # [S] int64: the hidden rows whose logits are sampled (1 + k per sampling row)
+    sample_rows: torch.Tensor       # [S] int64: the hidden rows whose logits are sampled (one per sampling row)
+    sample_slots: torch.Tensor      # [S] int64: the batch slot each sampled row samples for
+    sample_positions: torch.Tensor  # [S] int64: the index the sampled token takes in its request
     query_start: list[int]          # host copy of meta.query_start_loc
 
 
@@ -52,7 +54,7 @@ def flat_inputs(plan: StepPlan, slots: BatchSlots, page_size: int) -> FlatInputs
     np.cumsum(lens, out=query_start[1:])
     positions = np.arange(query_start[-1], dtype=np.int64) + np.repeat(starts - query_start[:-1], lens)
     input_ids = np.zeros(query_start[-1], dtype=np.int64)
-    from_sampled, sample_rows = [], []
+    from_sampled, sample_rows, sample_slots, sample_positions = [], [], [], []
     for i, row in enumerate(rows):
         offset, fed = query_start[i], row.num_fed_tokens
         ids = row_token_ids(row, slots.requests[row.slot])
@@ -61,15 +63,18 @@ def flat_inputs(plan: StepPlan, slots: BatchSlots, page_size: int) -> FlatInputs
         else:
             input_ids[offset:offset + fed] = ids
         input_ids[offset + fed:query_start[i + 1]] = row.draft_token_ids
-        if row.samples:
-            sample_rows += range(offset + fed - 1, query_start[i + 1])
+        if row.samples:                     # speculative rows (1 + k sampled positions) are not served here
+            sample_rows.append(offset + fed - 1)
+            sample_slots.append(row.slot)
+            sample_positions.append(row.num_computed_tokens + fed)
     row_slots = np.array([row.slot for row in rows], dtype=np.int64)
     seq_lens = starts + lens
     fixes = np.array(from_sampled, dtype=np.int64).reshape(-1, 2).T
+    sampled = np.array([sample_rows, sample_slots, sample_positions], dtype=np.int64).reshape(3, -1)
     parts = [input_ids, positions, np.repeat(row_slots, lens), query_start, seq_lens, row_slots, fixes[0], fixes[1],
-             np.array(sample_rows, dtype=np.int64)]
+             *sampled]
     device = slots.page_tables.device
-    ids, positions_d, token_slots, starts_d, seq_lens_d, row_slots_d, fix_at, fix_slot, sample_d = torch.split(
+    ids, positions_d, token_slots, starts_d, seq_lens_d, row_slots_d, fix_at, fix_slot, *sample_d = torch.split(
         to_device(np.concatenate(parts), device), [len(part) for part in parts])
     if len(from_sampled):
         ids[fix_at] = slots.last_sampled[fix_slot]
@@ -81,7 +86,7 @@ def flat_inputs(plan: StepPlan, slots: BatchSlots, page_size: int) -> FlatInputs
         + positions_d % page_size,
         max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), page_size=page_size,
         num_decodes=leading_decodes(lens.tolist()))
-    return FlatInputs(ids, positions_d, meta, sample_d, query_start.tolist())
+    return FlatInputs(ids, positions_d, meta, *sample_d, query_start.tolist())
 
 
 def decode_rows(plan: StepPlan, slots: BatchSlots) -> np.ndarray:
