@@ -9,7 +9,8 @@ then every step decodes one token for each (greedy). Reported per case, median o
   launch_ms   of that, inside ModelRunner.launch (the host's part of the step)
   gpu_ms      CUDA-event time of the captured graph alone (graph modes), replayed back to back
   host_ms     step_ms - gpu_ms: time the GPU waits for Python each step
-`--one-step-ahead off` runs one step at a time (nothing overlaps), for comparison.
+`--one-step-ahead off` runs one step at a time (nothing overlaps), for comparison; `--sampling top-p`
+samples at temperature 0.6, top-p 0.9 (seeded per request) instead of greedily.
 
 Modes: eager (no graphs, no compile), graphs (captured decode, eager layers), compiled (layers
 compiled with torch.compile, then captured). One mode per process keeps a failure contained.
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-model-len", type=int, default=8192,
                         help="the engine's max_model_len (sets the split-K count of decode attention in graphs)")
     parser.add_argument("--one-step-ahead", choices=["on", "off"], default="on")
+    parser.add_argument("--sampling", choices=["greedy", "top-p"], default="greedy")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     timings["compile_and_capture_s"] = time.perf_counter() - started   # compile is lazy: first capture pays it
 
     result = {"benchmark": "engine decode step", "shape": args.shape, "mode": args.mode,
-              "one_step_ahead": args.one_step_ahead,
+              "one_step_ahead": args.one_step_ahead, "sampling": args.sampling,
               "max_model_len": max_model_len, "command": " ".join(sys.argv),
               "device": device_identity(), "dtype": str(dtype), "page_size": page_size,
               "warmup": args.warmup, "steps": args.steps, "startup": timings, "cases": [],
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
           f"{timings['compile_and_capture_s']:.1f} s", flush=True)
     for context in contexts:
         for batch in batches:
-            case = run_case(runner, config, cfg.vocab_size, batch, context, args.warmup, args.steps)
+            case = run_case(runner, config, cfg.vocab_size, batch, context, args.warmup, args.steps, args.sampling)
             result["cases"].append(case)
             print(f"B{batch:<3} C{context:<5} step {case['step_ms']:.3f} ms  launch {case['launch_ms']:.3f}  "
                   f"gpu {case['gpu_ms'] if case['gpu_ms'] is None else round(case['gpu_ms'], 3)}  "
@@ -117,7 +119,8 @@ def decode_budget(batch: int, context: int, warmup: int, steps: int) -> int:
     return warmup + steps + batch * context // 1024 + batch + 8
 
 
-def run_case(runner, config, vocab_size: int, batch: int, context: int, warmup: int, steps: int) -> dict:
+def run_case(runner, config, vocab_size: int, batch: int, context: int, warmup: int, steps: int,
+             sampling: str = "greedy") -> dict:
     import torch
 
     from flare.engine.core import EngineCore
@@ -126,8 +129,10 @@ def run_case(runner, config, vocab_size: int, batch: int, context: int, warmup: 
 
     core = EngineCore(config, runner, eos_token_ids=())
     generator = torch.Generator().manual_seed(batch * 100003 + context)
-    params = SamplingParams(temperature=0, max_tokens=decode_budget(batch, context, warmup, steps),
-                            ignore_eos=True)
+    budget = decode_budget(batch, context, warmup, steps)
+    params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
+    if sampling == "top-p":
+        params = SamplingParams(temperature=0.6, top_p=0.9, seed=0, max_tokens=budget, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(3, vocab_size, (context,), generator=generator).tolist()
         core.add_request(EngineRequest(f"r{i}", tuple(prompt), params))
