@@ -40,7 +40,8 @@ def kernel_class(name: str) -> str:
     if any(key in lowered for key in ("gemm", "gemv", "sm90_xmma", "cutlass", "matmul", "nvjet", "splitk")):
         return "matmul"
     if any(key in lowered for key in ("attention", "attn", "flash", "_fwd_kernel", "_prefill_kernel",
-                                      "_decode_split_kernel", "_decode_reduce_kernel", "_write_kv_kernel")):
+                                      "_decode_split_kernel", "_decode_reduce_kernel", "_write_kv_kernel",
+                                      "_flash_prefill_kernel")):
         return "attention"
     if lowered.startswith("triton_") or "elementwise" in lowered or "reduce" in lowered:
         return "elementwise/fused"

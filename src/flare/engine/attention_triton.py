@@ -28,7 +28,8 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     `num_decodes`: the first sequences bring one new token each (0: unknown); `decode_splits` is the
     split-K count of decode attention (over the whole batch, or over those first sequences)."""
     from flare.kernels.decode_attention import decode_attention
-    from flare.kernels.prefill_attention import prefill_attention, write_kv, write_kv_fp8
+    from flare.kernels.flash_prefill import flash_prefill_attention
+    from flare.kernels.prefill_attention import write_kv, write_kv_fp8
 
     if kv_cache.dtype == torch.uint8:
         cache = fp8_kv_views(kv_cache, key.shape[1], key.shape[2])
@@ -40,15 +41,15 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
         return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, **scales)
     if num_decodes == 0:
-        return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                 max_query_len=max_query_len, **scales)
+        return flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                       max_query_len=max_query_len, **scales)
     out = torch.empty_like(query)
     decode_attention(query[:num_decodes], k_cache, v_cache, block_tables[:num_decodes], seq_lens[:num_decodes],
                      scale, decode_splits, out=out[:num_decodes], **scales)
     # Not slices of the metadata: offset pointers would change the kernel's alignment specialization
     # with every count of decodes, each one a compile in the middle of serving.
-    prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                      max_query_len=max_query_len, out=out, first_seq=num_decodes, **scales)
+    flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                            max_query_len=max_query_len, out=out, first_seq=num_decodes, **scales)
     return out
 
 

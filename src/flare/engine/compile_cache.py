@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flare.package.manifest import Plan
 
-KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention")
+KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention", "flare.kernels.flash_prefill",
+                  "flare.kernels.gemv", "flare.kernels.sampling", "flare.kernels.fp8_gemv", "flare.kernels.fp8_gemm")
 
 
 @dataclass(frozen=True)
