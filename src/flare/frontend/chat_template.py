@@ -24,6 +24,11 @@ PLAIN_TEMPLATE = (
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
 
+# The names `ChatTemplate.render` gives the template itself (arguments and helper functions); extra
+# template arguments (a request's chat_template_kwargs) must not reuse them.
+RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
+                              "eos_token", "raise_exception", "strftime_now"})
+
 
 class ChatTemplateError(ValueError):
     """The conversation cannot be rendered by this template (the message says why)."""

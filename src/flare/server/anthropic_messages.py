@@ -8,6 +8,7 @@ from flare.frontend.chat_template import ChatTemplateError
 from flare.frontend.tool_parsers import (ParsedOutput, ToolCall, ToolCallStream, ToolRequest, function_tool,
                                          new_call_id, tool_call_chunks)
 from flare.server import sse
+from flare.server.admission import RequestFields
 from flare.server.errors import bad_request
 from flare.server.generation import (Completion, Generation, RequestedSampling, new_id, parse_reply,
                                      with_tool_tokens)
@@ -128,8 +129,8 @@ def prompt_ids(gen: Generation, body: AnthropicCountTokensRequest) -> tuple[list
     return ids, tools, parser, prefix
 
 
-def count_tokens(gen: Generation, body: AnthropicCountTokensRequest) -> dict:
-    return {"input_tokens": len(prompt_ids(gen, body)[0])}
+async def count_tokens(gen: Generation, body: AnthropicCountTokensRequest) -> dict:
+    return {"input_tokens": len((await gen.off_loop(prompt_ids, gen, body))[0])}
 
 
 def _stop(completion: Completion, called: bool = False) -> tuple[str, str | None]:
@@ -143,8 +144,8 @@ def _stop(completion: Completion, called: bool = False) -> tuple[str, str | None
 
 
 async def create(gen: Generation, body: AnthropicMessagesRequest) -> dict | AsyncIterator[str]:
-    ids, tools, parser, prefix = prompt_ids(gen, body)
-    max_tokens = gen.admit(len(ids), body.max_tokens, 1, "max_tokens")
+    ids, tools, parser, prefix = await gen.off_loop(prompt_ids, gen, body)
+    max_tokens = gen.admit(len(ids), body.max_tokens, RequestFields("messages", "max_tokens", "anthropic"))
     requested = RequestedSampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, stop=tuple(s for s in body.stop_sequences or () if s))
     params = gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)
@@ -156,7 +157,7 @@ async def create(gen: Generation, body: AnthropicMessagesRequest) -> dict | Asyn
     stop_reason, stop_sequence = _stop(completion, bool(parsed.tool_calls))
     return {"id": message_id, "type": "message", "role": "assistant", "model": body.model,
             "content": _content_blocks(parsed), "stop_reason": stop_reason,
-            "stop_sequence": stop_sequence, "usage": _usage(len(ids), len(completion.token_ids), completion)}
+            "stop_sequence": stop_sequence, "usage": _usage(len(ids), completion)}
 
 
 def _tool_use(call: ToolCall) -> dict:
@@ -168,10 +169,12 @@ def _content_blocks(parsed: ParsedOutput) -> list[dict]:
     return text + [_tool_use(call) for call in parsed.tool_calls]
 
 
-def _usage(prompt: int, generated: int, completion: Completion) -> dict:
+def _usage(prompt: int, completion: Completion) -> dict:
+    """Anthropic's usage: `input_tokens` are the prompt tokens not read from the cache, so the three input
+    counts add up to the prompt (the prefix cache fills itself: nothing is billed as cache creation)."""
     cached = completion.num_cached_tokens
-    return {"input_tokens": prompt, "output_tokens": generated, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
+    return {"input_tokens": prompt - cached, "output_tokens": len(completion.token_ids),
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 async def _stream(gen, body, message_id, ids, params, reading) -> AsyncIterator[str]:
@@ -212,6 +215,7 @@ async def _stream(gen, body, message_id, ids, params, reading) -> AsyncIterator[
             yield event("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": piece})
         yield event("content_block_stop", index=index)
     stop_reason, stop_sequence = _stop(completion, bool(calls))
+    # The final usage: the cache's share of the prompt is known only once the engine has started it.
     yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                usage={"output_tokens": len(completion.token_ids)})
+                usage=_usage(len(ids), completion))
     yield event("message_stop")

@@ -63,3 +63,11 @@ def error_body(error: APIError, family: ApiFamily) -> dict:
 def family_for_path(path: str) -> ApiFamily:
     """Anthropic's routes live under /v1/messages; every other route speaks OpenAI's dialect."""
     return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def public_reason(reason: str) -> str:
+    """A failure's reason as a client may read it: its first line. What follows (a traceback, with the
+    server's own file paths) stays in the server's log."""
+    first, _, rest = str(reason).strip().partition("\n")
+    first = first.rstrip().rstrip(":")
+    return f"{first} (the server's log has the details)" if rest.strip() else first

@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from flare.engine.core import InvalidRequest
 from flare.engine.outputs import RequestOutput, TokenLogprob
@@ -18,9 +18,16 @@ from flare.engine_client.protocol import EngineDeadError
 from flare.frontend.tool_parsers import (DEFAULT_PARSER, ParsedOutput, ToolParser, ToolRequest, get_parser,
                                          with_history_ids)
 from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from flare.server.errors import APIError, bad_request
+from flare.server.admission import RequestFields, admit
+from flare.server.error_handlers import unexpected
+from flare.server.errors import APIError, bad_request, public_reason
+from flare.server.limits import LOGIT_BIAS_RANGE, SEED_MIN
 from flare.server.metrics import ServerMetrics
 from flare.server.settings import SAMPLING_CONTROLS, ServerSettings
+
+
+LOWEST_BIAS, HIGHEST_BIAS = LOGIT_BIAS_RANGE
+T = TypeVar("T")
 
 
 def new_id(prefix: str) -> str:
@@ -94,7 +101,11 @@ def check_token_ids(frontend: Any, token_ids, param: str) -> None:
         return
     bad = [t for t in token_ids if not 0 <= t < size]
     if bad:
-        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{size - 1})", param=param)
+        raise bad_request(f"{param}: token ids {bad[:5]} are outside the vocabulary (0..{size - 1})", param=param)
+
+
+def _wrap_seed(seed: int) -> int:
+    return (seed - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
 def _logit_bias(frontend: Any, raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -106,7 +117,7 @@ def _logit_bias(frontend: Any, raw: dict[str, float] | None) -> tuple[tuple[int,
             token_id = int(key)
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        bias.append((token_id, min(max(float(value), -100.0), 100.0)))   # OpenAI's range
+        bias.append((token_id, min(max(float(value), LOWEST_BIAS), HIGHEST_BIAS)))   # OpenAI's range
     check_token_ids(frontend, [token_id for token_id, _ in bias], "logit_bias")
     return tuple(bias)
 
@@ -126,46 +137,27 @@ class Generation:
 
     # ---- admission -------------------------------------------------------------------------------
 
-    def admit(self, prompt_len: int, max_tokens: int | None, n: int, max_tokens_field: str) -> int:
-        """The output limit this request gets; refuses in the section-6 form what cannot run.
+    def admit(self, prompt_len: int, max_tokens: int | None, fields: RequestFields) -> int:
+        """The output limit this request gets; refuses what cannot run (`flare.server.admission`)."""
+        return admit(self.settings, prompt_len, max_tokens, fields)
 
-        The server owns the checks an HTTP client sees (their wording and fields); the engine's own
-        prompt check (`validate_prompt`, once, in `AsyncEngine.generate`) stays as the engine's guard."""
-        context = self.settings.max_model_len
-        if n < 1:
-            raise bad_request(f"n must be at least 1, got {n}", param="n")
-        if max_tokens is not None and max_tokens < 1:
-            raise bad_request(f"{max_tokens_field} must be at least 1, got {max_tokens}", param=max_tokens_field)
-        if prompt_len >= context:
-            raise bad_request(
-                f"needs {prompt_len:,} prompt tokens + at least 1 output token; the model's maximum context "
-                f"length is {context:,} tokens (prepared into the package). Options: shorten the prompt "
-                f"to at most {context - 1:,} tokens.", param="messages", code="context_length_exceeded")
-        if max_tokens is None:          # as vLLM: whatever the context (and the page pool) leaves
-            max_tokens = max(1, min(context, self.settings.kv_tokens or context) - prompt_len)
-        elif prompt_len + max_tokens > context:
-            raise bad_request(
-                f"needs {prompt_len:,} prompt tokens + {max_tokens:,} output tokens = "
-                f"{prompt_len + max_tokens:,} tokens; the model's maximum context length is {context:,} tokens "
-                f"(prepared into the package). Options: {max_tokens_field} = {context - prompt_len:,} or less, "
-                f"or a shorter prompt.", param=max_tokens_field, code="context_length_exceeded")
-        kv_tokens = self.settings.kv_tokens
-        needed = prompt_len + max_tokens
-        # n samples queue in the engine when the pool is short; one sequence larger than the pool never runs.
-        if kv_tokens is not None and needed > kv_tokens:
-            raise bad_request(
-                f"needs {needed:,} KV cache tokens ({prompt_len:,} prompt + {max_tokens:,} output); "
-                f"the KV page pool holds {kv_tokens:,} tokens. Options: a lower {max_tokens_field}, a shorter "
-                f"prompt, or a larger pool with --kv-cache-limit memory or a higher --memory-limit.",
-                param=max_tokens_field, code="capacity_exceeded")
-        return max_tokens
+    @staticmethod
+    async def off_loop(work: Callable[..., T], *args: Any) -> T:
+        """Run blocking prompt work (a chat template, tokenizing: seconds for a prompt of megabytes) in a
+        worker thread, so the event loop keeps serving every other request meanwhile."""
+        return await asyncio.to_thread(work, *args)
 
     # ---- tools -----------------------------------------------------------------------------------
 
     def tool_parser(self, tools: ToolRequest, param: str) -> ToolParser | None:
         """The parser for a reply to a request with these tools (None: tools are not in play).
 
-        Refuses a named function that is not among the tools, and tools the chat template cannot show."""
+        Refuses a call demanded of no tools, a named function that is not among the tools, and tools the
+        chat template cannot show."""
+        if tools.choice in ("required", "function") and not tools.tools:
+            demanded = "a call to the function " + repr(tools.function) if tools.function else "a tool call"
+            raise bad_request(f"tool_choice demands {demanded}, but the request declares no tools; declare them "
+                              f"in `tools`, or leave tool_choice out", param="tool_choice")
         if tools.function is not None and tools.function not in tools.names:
             raise bad_request(f"tool_choice names the function {tools.function!r}, which is not among the tools "
                               f"({', '.join(tools.names) or 'none'})", param="tool_choice")
@@ -199,7 +191,8 @@ class Generation:
         first = self._sampling_params(requested, max_tokens)
         if first.seed is None:
             return [first] * n
-        return [first] + [replace(first, seed=first.seed + index) for index in range(1, n)]   # n samples must differ
+        # n samples must differ; their seeds wrap around within the signed 64-bit range a seed has
+        return [first] + [replace(first, seed=_wrap_seed(first.seed + index)) for index in range(1, n)]
 
     def _sampling_params(self, requested: RequestedSampling, max_tokens: int) -> SamplingParams:
         policy = self.settings.sampling
@@ -208,6 +201,8 @@ class Generation:
             value = policy.resolve(name, getattr(requested, name))
             if value is not None:
                 values[name] = int(value) if name == "top_k" else float(value)
+        if requested.stop_token_ids:
+            check_token_ids(self.frontend, requested.stop_token_ids, "stop_token_ids")
         stop_ids = tuple(requested.stop_token_ids)
         if not requested.ignore_eos:
             stop_ids += tuple(t for t in self.frontend.eos_token_ids if t not in stop_ids)
@@ -313,12 +308,12 @@ class Generation:
 
 
 def _engine_error(error: BaseException) -> APIError:
-    """An engine exception as the HTTP error a client should see."""
+    """An engine exception as the HTTP error a client should see (no traceback: those go to the log)."""
     if isinstance(error, InvalidRequest):       # the engine refused the request as given
         return bad_request(str(error))
     if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine stopped: {error}")
-    return APIError(500, f"the engine failed this request: {error}")
+        return APIError(503, f"the engine stopped: {public_reason(str(error))}")
+    return unexpected(error, "this request in the engine")
 
 
 def usage_numbers(completions: Sequence[Completion], prompt_len: int) -> tuple[int, int, int]:

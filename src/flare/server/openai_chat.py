@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from flare.frontend.chat_template import ChatTemplateError
+from flare.frontend.chat_template import RENDER_ARGUMENTS, ChatTemplateError
 from flare.frontend.tool_parsers import (ToolCall, ToolCallStream, ToolParser, ToolRequest, call_arguments, function_tool,
                                          new_call_id, tool_call_chunks)
 from flare.server import sse
+from flare.server.admission import RequestFields
 from flare.server.errors import bad_request
 from flare.server.generation import Generation, new_id, parse_reply, usage_numbers, with_tool_tokens
 from flare.server.openai_common import StreamChunks, chat_logprobs, requested_sampling, usage
@@ -72,6 +73,11 @@ def prompt_ids(gen: Generation, body: ChatCompletionRequest) -> list[int]:
 def _encode(gen: Generation, body: ChatCompletionRequest, tools: ToolRequest,
             parser: ToolParser | None) -> tuple[list[int], str]:
     """The prompt's token ids, and the opening of the reply written into it when a call is required."""
+    reused = sorted(RENDER_ARGUMENTS & set(body.chat_template_kwargs or ()))
+    if reused:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reused)}: the server passes "
+                          f"{'that' if len(reused) == 1 else 'those'} to the chat template itself (set the "
+                          f"request's own fields instead)", param="chat_template_kwargs")
     try:
         return gen.encode_chat(template_messages(body.messages), tools, parser,
                                add_generation_prompt=body.add_generation_prompt,
@@ -89,13 +95,13 @@ def openai_tool_calls(calls: tuple[ToolCall, ...]) -> list[dict]:
 async def create(gen: Generation, body: ChatCompletionRequest) -> dict | AsyncIterator[str]:
     tools = tool_request(body)
     parser = gen.tool_parser(tools, "tools")
-    ids, prefix = _encode(gen, body, tools, parser)
+    ids, prefix = await gen.off_loop(_encode, gen, body, tools, parser)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = gen.admit(len(ids), max_tokens, body.n, field)
+    max_tokens = gen.admit(len(ids), max_tokens, RequestFields("messages", field))
     requested = with_tool_tokens(requested_sampling(body, max_tokens, logprobs), parser)
     params = gen.sampling_params(requested, max_tokens, body.n)
     # vLLM's `echo`: the reply repeats the final assistant message it continues

@@ -7,20 +7,34 @@ from typing import Any, AsyncIterator, Sequence
 
 from flare.engine.outputs import TokenLogprob
 from flare.server import sse
+from flare.server.admission import RequestFields
 from flare.server.errors import bad_request
 from flare.server.generation import Generation, check_token_ids, new_id
+from flare.server.limits import MAX_CHOICES
 from flare.server.openai_common import StreamChunks, _finite, requested_sampling, usage
 from flare.server.schemas import CompletionRequest
 
 
-def _prompts(gen: Generation, prompt: Any) -> list[list[int]]:
-    """One token list per prompt: text, a list of texts, token ids, or a list of token-id lists."""
+def _prompt_list(prompt: Any) -> list:
+    """The prompts of a request: text, a list of texts, token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
-        prompt = [prompt]
+        return [prompt]
     if prompt and all(isinstance(item, int) for item in prompt):
-        prompt = [prompt]
-    if not prompt:
+        return [prompt]
+    return list(prompt)
+
+
+def _check_choices(prompts: list, n: int) -> None:
+    if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n = {n} asks for {len(prompts) * n} choices; the limit is "
+                          f"{MAX_CHOICES} choices per request. Options: fewer prompts, a lower n, or several "
+                          f"requests.", param="n" if n > 1 else "prompt")
+
+
+def _encode_prompts(gen: Generation, prompt: list) -> list[list[int]]:
+    """One token list per prompt."""
     prompts = []
     for item in prompt:
         ids = gen.frontend.encode(item) if isinstance(item, str) else list(item)
@@ -70,8 +84,10 @@ async def create(gen: Generation, body: CompletionRequest) -> dict | AsyncIterat
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (each sample is returned)", param="best_of")
-    prompts = _prompts(gen, body.prompt)
-    limits = [gen.admit(len(ids), body.max_tokens, body.n, "max_tokens") for ids in prompts]
+    prompts = _prompt_list(body.prompt)
+    _check_choices(prompts, body.n)
+    prompts = await gen.off_loop(_encode_prompts, gen, prompts)
+    limits = [gen.admit(len(ids), body.max_tokens, RequestFields("prompt", "max_tokens")) for ids in prompts]
     logprobs = body.logprobs
     prompt_logprobs = logprobs if (body.echo and logprobs is not None) else None
     requested = requested_sampling(body, body.max_tokens, logprobs, prompt_logprobs)
@@ -111,8 +127,14 @@ async def _complete(gen, body, request_id, prompts, jobs) -> dict:
         choices.append({"index": index, "text": text, "logprobs": logprobs,
                         "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
     prompt_tokens = sum(len(ids) for ids in prompts)
+    cached = _cached_tokens([completion.num_cached_tokens for completion in completions], body.n)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
-            "choices": choices, "usage": usage(prompt_tokens, generated), "system_fingerprint": None}
+            "choices": choices, "usage": usage(prompt_tokens, generated, cached), "system_fingerprint": None}
+
+
+def _cached_tokens(per_choice: list[int], n: int) -> int:
+    """Prompt tokens read from the prefix cache: each prompt counted once (its n samples share it)."""
+    return sum(max(per_choice[start:start + n]) for start in range(0, len(per_choice), n))
 
 
 async def _stream(gen, body, request_id, prompts, jobs) -> AsyncIterator[str]:
@@ -120,9 +142,11 @@ async def _stream(gen, body, request_id, prompts, jobs) -> AsyncIterator[str]:
 
     builders = [_LogprobBuilder(gen.frontend, body.logprobs or 0) for _ in jobs]
     echoed = [not body.echo for _ in jobs]
+    cached = [0 for _ in jobs]
     generated = 0
     async for index, output in gen.stream(request_id, [ids for ids, _ in jobs], [p for _, p in jobs]):
         generated += len(output.new_token_ids)
+        cached[index] = max(cached[index], output.num_cached_tokens)
         text = output.new_text
         logprobs = None
         if not echoed[index]:                      # the prompt goes first, in the first chunk of its choice
@@ -138,5 +162,5 @@ async def _stream(gen, body, request_id, prompts, jobs) -> AsyncIterator[str]:
                           "finish_reason": output.finish_reason if output.finished else None,
                           "stop_reason": output.stop_reason if output.finished else None}])
     if chunk.include_usage:
-        yield chunk([], usage(sum(len(ids) for ids in prompts), generated))
+        yield chunk([], usage(sum(len(ids) for ids in prompts), generated, _cached_tokens(cached, body.n)))
     yield sse.DONE

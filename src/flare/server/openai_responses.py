@@ -9,6 +9,7 @@ from flare.frontend.chat_template import ChatTemplateError
 from flare.frontend.tool_parsers import (ParsedOutput, ToolCall, ToolCallStream, ToolRequest, call_arguments,
                                          function_tool, new_call_id, tool_call_chunks)
 from flare.server import sse
+from flare.server.admission import RequestFields
 from flare.server.errors import bad_request
 from flare.server.generation import (Completion, Generation, RequestedSampling, new_id, parse_reply,
                                      with_tool_tokens)
@@ -144,6 +145,13 @@ class _Response:
                 "background": False, "usage": usage}
 
 
+def _encode(gen: Generation, body: ResponsesRequest, tools: ToolRequest, parser) -> tuple[list[int], str]:
+    try:
+        return gen.encode_chat(template_messages(body), tools, parser)
+    except ChatTemplateError as error:
+        raise bad_request(str(error), param="input") from None
+
+
 async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterator[str]:
     if body.previous_response_id:
         raise bad_request("previous_response_id is not supported: this server keeps no responses (it is "
@@ -151,11 +159,8 @@ async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterato
                           param="previous_response_id")
     tools = tool_request(body)
     parser = gen.tool_parser(tools, "tools")
-    try:
-        ids, prefix = gen.encode_chat(template_messages(body), tools, parser)
-    except ChatTemplateError as error:
-        raise bad_request(str(error), param="input") from None
-    max_tokens = gen.admit(len(ids), body.max_output_tokens, 1, "max_output_tokens")
+    ids, prefix = await gen.off_loop(_encode, gen, body, tools, parser)
+    max_tokens = gen.admit(len(ids), body.max_output_tokens, RequestFields("input", "max_output_tokens"))
     want_logprobs = body.top_logprobs is not None or LOGPROBS_INCLUDE in (body.include or [])
     top_k = body.top_logprobs or 0
     requested = RequestedSampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from flare.server import anthropic_messages, openai_chat, openai_completions, openai_responses
-from flare.server.errors import APIError, bad_request, family_for_path
+from flare.server.errors import APIError, bad_request, family_for_path, public_reason
 from flare.server.generation import Generation, check_token_ids
 from flare.server.metrics import CONTENT_TYPE
 from flare.server.request_body import parse, read_json
@@ -69,15 +69,11 @@ def generation_endpoint(schema: type[BaseModel], handler: Handler, api: str) -> 
     return endpoint
 
 
-async def _count_tokens(gen: Generation, body: AnthropicCountTokensRequest) -> dict:
-    return anthropic_messages.count_tokens(gen, body)
-
-
 chat_completions = generation_endpoint(ChatCompletionRequest, openai_chat.create, "chat_completions")
 completions = generation_endpoint(CompletionRequest, openai_completions.create, "completions")
 responses = generation_endpoint(ResponsesRequest, openai_responses.create, "responses")
 messages = generation_endpoint(AnthropicMessagesRequest, anthropic_messages.create, "messages")
-count_tokens = generation_endpoint(AnthropicCountTokensRequest, _count_tokens, "count_tokens")
+count_tokens = generation_endpoint(AnthropicCountTokensRequest, anthropic_messages.count_tokens, "count_tokens")
 
 
 # ---- the tokenizer, as vLLM serves it ------------------------------------------------------------------
@@ -90,11 +86,11 @@ async def tokenize(request: Request) -> JSONResponse:
     if body.model is not None:
         check_model(settings, body.model)
     if body.messages is not None:
-        tokens = openai_chat.prompt_ids(generation, ChatCompletionRequest(
+        tokens = await generation.off_loop(openai_chat.prompt_ids, generation, ChatCompletionRequest(
             model=body.model or settings.canonical_id, messages=body.messages,
             add_generation_prompt=body.add_generation_prompt))
     elif body.prompt is not None:
-        tokens = generation.frontend.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await generation.off_loop(generation.frontend.encode, body.prompt, body.add_special_tokens)
     else:
         raise bad_request("send `prompt` or `messages`")
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len})
@@ -105,8 +101,9 @@ async def detokenize(request: Request) -> JSONResponse:
     body = parse(DetokenizeRequest, await read_json(request, state.settings.body_limit_bytes))
     if body.model is not None:
         check_model(state.settings, body.model)
-    check_token_ids(state.generation.frontend, body.tokens, "tokens")
-    return JSONResponse({"prompt": state.generation.frontend.decode(body.tokens)})
+    generation = state.generation
+    check_token_ids(generation.frontend, body.tokens, "tokens")
+    return JSONResponse({"prompt": await generation.off_loop(generation.frontend.decode, body.tokens)})
 
 
 # ---- models ----------------------------------------------------------------------------------------------
@@ -161,7 +158,8 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "shutting down" if state.draining else "loading"}, status_code=503)
     dead = state.engine.dead_reason
     if dead:
-        return JSONResponse({"status": "engine failed", "message": f"{dead}; restart the server"}, status_code=503)
+        return JSONResponse({"status": "engine failed", "message": f"{public_reason(dead)}; restart the server"},
+                            status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -6,9 +6,27 @@ which the app answers with a 400 in the caller's own error shape.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flare.server.limits import (INT32_MAX, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_LENGTH,
+                                 MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS, MAX_TOP_LOGPROBS, SEED_MAX,
+                                 SEED_MIN)
+
+# Field types that carry a range every API shares; the schemas (and so the OpenAPI document) state them.
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX, description="a signed 64-bit integer")]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX, description="0 or -1: no top-k cut")]
+Temperature = Annotated[float, Field(ge=0.0, description="0 selects greedy decoding")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0)]
+OutputTokens = Annotated[int, Field(ge=1)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Body(BaseModel):
@@ -31,21 +49,22 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """The sampling and stop fields OpenAI-style requests share (vLLM's extensions included)."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    stop: Union[StopString, StopStrings, None] = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
-    n: int = 1
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS, description=(
+        "token id -> bias, clamped to [-100, 100]"))] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -100,16 +119,16 @@ class ChatNamedToolChoice(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: OutputTokens | None = None
+    max_completion_tokens: OutputTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ChatNamedToolChoice, None] = None
     parallel_tool_calls: bool = True
 
@@ -118,38 +137,40 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
+    prompt: Union[str, Annotated[list[str], Field(max_length=MAX_CHOICES)], list[TokenId],
+                  Annotated[list[list[TokenId]], Field(max_length=MAX_CHOICES)]]
+    max_tokens: OutputTokens | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
 
 # ---- OpenAI Responses --------------------------------------------------------------------------
 
 class ResponsesRequest(_Body):
     model: str
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: int | None = None
+    max_output_tokens: OutputTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: TopLogprobs | None = None
     include: list[str] | None = None
     stream: bool = False
     previous_response_id: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    tools: list[dict[str, Any]] | None = None           # function tools: {"type": "function", "name", ...}
+    # function tools: {"type": "function", "name", ...}
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool = True
     # vLLM's extensions, for clients that tune them
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False
 
 
@@ -183,18 +204,18 @@ class AnthropicToolChoice(_Body):
 
 class AnthropicCountTokensRequest(_Body):
     model: str
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: Union[str, list[AnthropicBlock], None] = None
-    tools: list[AnthropicTool] | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
-    max_tokens: int
-    stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    max_tokens: OutputTokens
+    stop_sequences: StopStrings | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
 
@@ -204,11 +225,11 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

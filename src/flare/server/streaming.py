@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from flare.server import sse
+from flare.server import error_handlers, sse
 from flare.server.errors import APIError, ApiFamily, error_body
 
 
@@ -63,8 +63,7 @@ class SSEResponse(StreamingResponse):
         except APIError as error:
             yield self._error_event(error)
         except Exception as error:              # a bug: still end the stream in the API's own terms
-            yield self._error_event(APIError(500, f"the server failed while streaming: "
-                                                  f"{type(error).__name__}: {error}"))
+            yield self._error_event(error_handlers.unexpected(error, "while streaming"))
 
     def _error_event(self, error: APIError) -> str:
         body = error_body(error, self.family)
