@@ -278,3 +278,21 @@ def test_health_and_503s_after_an_engine_failure_show_no_traceback(stories260k):
     for text in (health.text, reply.text, stream.text):
         assert "Traceback" not in text and "/opt/flare" not in text and "sampler.py" not in text
 
+
+def test_openapi_document_is_served_behind_the_key_and_describes_the_bodies(served):
+    assert httpx.get(served.url + "/openapi.json").status_code == 401
+    document = httpx.get(served.url + "/openapi.json", headers=HEADERS).json()
+    assert document["openapi"].startswith("3.1")
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].startswith("#/components/schemas/")
+    schemas = document["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]
+    assert set(chat["required"]) == {"model", "messages"}
+    assert chat["properties"]["model"]["enum"] == ["org/Tiny-260K", "tiny"]
+    assert {"maximum": MAX_CHOICES, "minimum": 1}.items() <= chat["properties"]["n"].items()
+    assert chat["properties"]["seed"]["anyOf"][0]["maximum"] == 2 ** 63 - 1
+    assert "max_tokens" in schemas["AnthropicMessagesRequest"]["required"]
+    assert document["security"] and document["paths"]["/health"]["get"]["security"] == []
+    for docs in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        assert httpx.get(served.url + docs, headers=HEADERS).status_code == 404

@@ -159,3 +159,9 @@ def test_top_logprobs_errors_name_top_logprobs(oai):
                                     logprobs=True, top_logprobs=50)
     assert caught.value.param == "top_logprobs" and "top_logprobs" in caught.value.message
 
+
+def test_the_openapi_document_is_served_behind_the_key(server):
+    assert httpx.get(server.url + "/openapi.json").status_code == 401
+    document = httpx.get(server.url + "/openapi.json", headers=HEADERS).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"} <= set(document["paths"])
+    assert ALIAS in document["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"]

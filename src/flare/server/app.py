@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from flare.engine.core import EngineStats
-from flare.server import error_handlers, routes
+from flare.server import error_handlers, openapi, routes
 from flare.server.auth import PUBLIC_PATHS, is_authorized
 from flare.server.errors import APIError, error_body, family_for_path
 from flare.server.generation import Generation
@@ -90,6 +90,7 @@ ROUTES = (
     Route("GET", "/health", routes.health),
     Route("GET", "/metrics", routes.metrics),
     Route("GET", "/v1/engine/stats", routes.engine_stats),
+    Route("GET", openapi.PATH, openapi.endpoint),
 )
 
 EXCEPTION_HANDLERS = (
