@@ -111,21 +111,20 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|[a-z]+-[\w-]+.*|\w+\
 
 
 def _problems(error: ValidationError) -> list[tuple[str, str]]:
-    """(top-level field, "where: what") per problem. Of a union's failures at one place, only those that are
-    not merely "wrong type for this member" are kept, when there are any."""
-    found: dict[str, list[tuple[str, str, bool]]] = {}
+    """(top-level field, "where: what") per problem. A union reports every member's failure; where some of a
+    field's failures are more than "not of this member's type", only those are kept."""
+    found = []
     for problem in error.errors():
         parts = [str(part) for part in problem["loc"] if not (isinstance(part, str) and _TYPE_TAG.match(part))]
         where = ".".join(parts) or "body"
-        wrong_type = problem["type"].endswith("_type") or problem["type"] in ("literal_error", "union_tag_invalid")
-        found.setdefault(where, []).append((parts[0] if parts else None, f"{where}: {problem['msg']}", wrong_type))
-    precise = [where for where, entries in found.items() if not all(entry[2] for entry in entries)]
+        kind = problem["type"]
+        wrong_type = kind.endswith(("_type", "_parsing")) or kind in ("union_tag_invalid", "model_attributes_type")
+        found.append((parts[0] if parts else None, f"{where}: {problem['msg']}", wrong_type))
+    telling = {field for field, _, wrong_type in found if not wrong_type}
     problems = []
-    for where, entries in found.items():
-        specific = [entry for entry in entries if not entry[2]]
-        if not specific and any(other.startswith(where + ".") for other in precise):
-            continue                             # a union member of another shape failed further in
-        for field, message, _ in (specific or entries):
-            if (field, message) not in problems:
-                problems.append((field, message))
+    for field, message, wrong_type in found:
+        if wrong_type and field in telling:
+            continue
+        if (field, message) not in problems:
+            problems.append((field, message))
     return problems
