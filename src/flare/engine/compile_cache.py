@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from flare.package.manifest import Plan
 
 KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention", "flare.kernels.flash_prefill",
-                  "flare.kernels.gemv", "flare.kernels.sampling", "flare.kernels.fp8_gemv", "flare.kernels.fp8_gemm")
+                  "flare.kernels.sampling", "flare.kernels.fp8_gemv", "flare.kernels.fp8_gemm")
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ def listener_address(options: ListenerOptions, config: Any) -> tuple[str, int]:
     host = options.host or getattr(server_config, "host", None) or "127.0.0.1"
     if options.port is not None:
         return host, check_port(options.port, "--port")
-    return host, check_port(getattr(server_config, "port", 8000), "[server] port")
+    port = getattr(server_config, "port", None)
+    return host, check_port(8000 if port is None else port, "[server] port")
 
 
 def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, stages: StageReporter,
