@@ -28,7 +28,7 @@ SHAPE=${1:?usage: serve_gpu_run.sh SHAPE [PHASE...]}
 shift
 PHASES=${*:-serve1 serve16 serve64 serve256 long throughput restart}
 mkdir -p "$OUT" "$WORK"
-export PYTHONPATH=$REPO/src PYTHONUNBUFFERED=1 HOME=$WORK/home
+export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HOME=$WORK/home   # keeps carried wheels (e.g. /tmp/site)
 mkdir -p "$HOME"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 now() { date +%s.%N; }
