@@ -15,8 +15,8 @@ from pathlib import Path
 
 import msgspec
 
-from flare.config import (COMPILE_WORKERS, MAX_CONCURRENCY, MEMORY_RESERVE, PREFILL_CHUNK, check_flag, load_config,
-                          package_cache, resolve)
+from flare.config import (COMPILE_WORKERS, MAX_CONCURRENCY, MEMORY_RESERVE, PREFILL_CHUNK, PublishingConfig,
+                          check_flag, load_config, package_cache, resolve)
 from flare.errors import UsageError
 from flare.memory import parse_gpus
 from flare.package.export import ExportHooks, ExportSpec, export_entry
@@ -75,7 +75,7 @@ class Settings:
 
     config_dir: Path
     config_path: Path
-    publishing: dict
+    publishing: PublishingConfig | None
     package_cache: Path
     memory_reserve_bytes: int
     exists: bool
@@ -109,10 +109,7 @@ class CheckpointSource:
 def load_settings(config_path: Path | None) -> Settings:
     """The configuration file's values export needs (flare.config does the reading and validation)."""
     config = load_config(config_path)
-    publishing = config.publishing
-    return Settings(config_dir=config.config_dir, config_path=config.path,
-                    publishing={"signing_key": str(publishing.signing_key), "namespace": publishing.namespace,
-                                "official_source": publishing.official_source} if publishing else {},
+    return Settings(config_dir=config.config_dir, config_path=config.path, publishing=config.publishing,
                     package_cache=package_cache(None, config),
                     memory_reserve_bytes=resolve(MEMORY_RESERVE, None, config, 0).value,
                     exists=config.path.is_file(), config=config)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
+from flare.config import PublishingConfig
 from flare.errors import PreparationError, UsageError
 from flare.package import format as fmt
 from flare.package import safetensors_io as st
@@ -81,13 +83,13 @@ def test_the_official_source_must_be_a_repository_under_the_publisher_namespace(
         check_official_source("https://huggingface.co/example", "example", "[publishing] official_source")
     from flare.package.signing import generate_private_key, private_key_pem, write_owner_only
     write_owner_only(tmp_path / "key.pem", private_key_pem(generate_private_key(), None))
-    publishing = {"signing_key": str(tmp_path / "key.pem"), "namespace": "example",
-                  "official_source": "https://huggingface.co/example/stories"}
+    publishing = PublishingConfig(signing_key=tmp_path / "key.pem", namespace="example",
+                                  official_source="https://huggingface.co/example/stories")
     assert publishing_identity(publishing, tmp_path).official_source == "https://huggingface.co/example/stories"
     with pytest.raises(UsageError, match=r"--official-source https://huggingface.co/other/stories is under 'other'"):
         publishing_identity(publishing, tmp_path, official_source="https://huggingface.co/other/stories")
     with pytest.raises(UsageError, match=r"\[publishing\] official_source https://huggingface.co/other/m is under"):
-        publishing_identity(dict(publishing, official_source="https://huggingface.co/other/m"), tmp_path)
+        publishing_identity(replace(publishing, official_source="https://huggingface.co/other/m"), tmp_path)
 
 
 def test_keygen_refuses_an_official_source_outside_its_namespace(tmp_path):

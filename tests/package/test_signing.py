@@ -25,11 +25,9 @@ def test_development_key_is_owner_only_and_reused(tmp_path):
     assert profile.namespace == "local-development" and profile.keys == (first.public_key,)
 
 
-def test_publishing_needs_all_three_fields(tmp_path):
-    with pytest.raises(UsageError, match="not official_source"):
-        publishing_identity({"signing_key": "/k.pem", "namespace": "x"}, tmp_path)
+def test_an_official_source_needs_a_publishing_identity(tmp_path):
     with pytest.raises(UsageError, match="--official-source needs a publishing identity"):
-        publishing_identity({}, tmp_path, official_source="https://huggingface.co/x/y")
+        publishing_identity(None, tmp_path, official_source="https://huggingface.co/x/y")
 
 
 def test_a_key_readable_by_others_is_refused(tmp_path):

@@ -67,17 +67,17 @@ def change_passphrase(key_path: Path, old_file: Path | None = None, new_file: Pa
 def sign_package(target: str, config_path: Path | None = None, official_source: str | None = None,
                  repo_id: str | None = None, publisher_keys: tuple[Path, ...] = ()) -> Path:
     """Verify a development package completely and publish it re-signed by the configured publisher."""
+    from flare.config import load_config, package_cache
     from flare.package.reader import open_package
     from flare.package.trust import TrustOptions
     from flare.package.verify import verify_payloads
-    from flare.prepare import load_settings
 
-    settings = load_settings(config_path)
-    if not settings.publishing:
+    config = load_config(config_path)
+    if config.publishing is None:
         raise UsageError("ignition sign needs a publishing identity: set [publishing] signing_key, namespace "
                          "and official_source in the configuration file (or pass --config)")
-    identity = publishing_identity(settings.publishing, settings.config_dir, official_source)
-    cache = ModelCache(settings.package_cache)
+    identity = publishing_identity(config.publishing, config.config_dir, official_source)
+    cache = ModelCache(package_cache(None, config))
     package = open_package(target, TrustOptions(publisher_keys=publisher_keys, require_acceptance=False),
                            cache_root=cache.root)
     old = package.manifest

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from flare.config import PublishingConfig
 from flare.errors import UsageError
 
 DEVELOPMENT_NAMESPACE = "local-development"
@@ -201,27 +202,22 @@ def _create_atomically(path: Path, data: bytes) -> None:
         temporary.unlink()
 
 
-def publishing_identity(publishing: dict | None, config_dir: Path,
+def publishing_identity(publishing: PublishingConfig | None, config_dir: Path,
                         official_source: str | None = None) -> SigningIdentity:
-    """The configured [publishing] identity (all three fields), else the development identity."""
-    fields = {key: value for key, value in (publishing or {}).items()
-              if key in ("signing_key", "namespace", "official_source") and value}
-    if not fields:
+    """The configured [publishing] identity (flare.config refuses one that is not complete), else the
+    development identity."""
+    if publishing is None:
         if official_source:
             raise UsageError("--official-source needs a publishing identity; set [publishing] signing_key, "
                              "namespace and official_source in the configuration file")
         return development_identity(config_dir)
-    missing = [name for name in ("signing_key", "namespace", "official_source") if name not in fields]
-    if missing:
-        raise UsageError(f"[publishing] sets {', '.join(sorted(fields))} but not {', '.join(missing)}; "
-                         "a signing identity needs signing_key, namespace and official_source")
-    if fields["namespace"] == DEVELOPMENT_NAMESPACE:
+    if publishing.namespace == DEVELOPMENT_NAMESPACE:
         raise UsageError(f"[publishing] namespace {DEVELOPMENT_NAMESPACE!r} is reserved for development keys")
-    source = official_source or fields["official_source"]
-    check_official_source(source, fields["namespace"], "--official-source" if official_source else
+    source = official_source or publishing.official_source
+    check_official_source(source, publishing.namespace, "--official-source" if official_source else
                           "[publishing] official_source")
-    key = load_private_key(Path(fields["signing_key"]).expanduser())
-    return SigningIdentity(key, fields["namespace"], source)
+    key = load_private_key(Path(publishing.signing_key).expanduser())
+    return SigningIdentity(key, publishing.namespace, source)
 
 
 def check_official_source(url: str, namespace: str, setting: str) -> None:
