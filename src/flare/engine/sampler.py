@@ -38,7 +38,7 @@ import torch
 from flare.engine.logprobs import gather_logprobs
 from flare.engine.outputs import TokenLogprob
 from flare.engine.request import Request
-from flare.engine.sampling_params import SamplingParams
+from flare.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from flare.kernels import sampling_reference as reference
 from flare.kernels.sampling_reference import SAMPLING_EPS, SamplingTables, SlotParams
 
@@ -261,7 +261,7 @@ class DeviceSampler:
         self.max_slots = max_slots
         self.vocab_size = vocab_size
         self.max_rows = max_rows if max_rows is not None else max_slots + 1
-        self.tables = SamplingTables.allocate(max_slots + 1, vocab_size, self.device)
+        self.tables = SamplingTables.allocate(max_slots + 1, vocab_size, self.device, MAX_LOGIT_BIAS)
         self.tables.params[self.padding_slot] = SlotParams(random=False).encode().to(self.device)
         self._generator = torch.Generator()
         if seed is None:
@@ -293,8 +293,8 @@ class DeviceSampler:
         tables, device = self.tables, self.device
         tables.params[slot] = encoded.encode().to(device)
         if bias:
-            ids = torch.full((reference.MAX_LOGIT_BIAS,), reference.UNUSED_BIAS_ID, dtype=torch.int32)
-            values = torch.zeros(reference.MAX_LOGIT_BIAS, dtype=torch.float32)
+            ids = torch.full((MAX_LOGIT_BIAS,), reference.UNUSED_BIAS_ID, dtype=torch.int32)
+            values = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.float32)
             ids[:len(bias)] = torch.tensor([token_id for token_id, _ in bias], dtype=torch.int32)
             values[:len(bias)] = torch.tensor([value for _, value in bias], dtype=torch.float32)
             tables.bias_ids[slot], tables.bias_values[slot] = ids.to(device), values.to(device)

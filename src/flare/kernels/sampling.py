@@ -59,7 +59,7 @@ import triton.language as tl
 from flare.kernels.sampling_reference import (
     FIELD_FLAGS, FIELD_FREQUENCY, FIELD_INV_TEMPERATURE, FIELD_LOG_MIN_P, FIELD_NUM_BIAS, FIELD_PRESENCE,
     FIELD_REPETITION, FIELD_SEED_HI, FIELD_SEED_LO, FIELD_TOP_K, FIELD_TOP_P, FLAG_BIAS, FLAG_PENALTIES,
-    FLAG_RANDOM, MAX_LOGIT_BIAS, NUM_FIELDS, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1,
+    FLAG_RANDOM, NUM_FIELDS, PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1,
     PURPOSE_SAMPLE, SamplingTables, bitmask_words)
 
 NUM_PASSES = 17                 # prepare + 16 passes; the last top-p digit is decided in pass 16
@@ -81,7 +81,6 @@ _NUM_FIELDS = tl.constexpr(NUM_FIELDS)
 _RANDOM = tl.constexpr(FLAG_RANDOM)
 _PENALTIES = tl.constexpr(FLAG_PENALTIES)
 _BIAS = tl.constexpr(FLAG_BIAS)
-_MAX_BIAS = tl.constexpr(MAX_LOGIT_BIAS)
 
 _S_PREFIX = tl.constexpr(0)         # key bits chosen so far in the current threshold (uint32 bits)
 _S_K_LEFT = tl.constexpr(1)         # top-k: tokens still to take inside the current bucket
@@ -197,7 +196,7 @@ def _prepare_kernel(
     prompt_bits_ptr, stride_bits, counts_ptr, stride_counts, bias_ids_ptr, bias_values_ptr,
     mask_ptr, stride_mask, stats_value_ptr, stats_index_ptr, tile_max_ptr, hist_ptr, state_ptr,
     V, max_rows,
-    HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+    HAS_MASK: tl.constexpr, BIAS_WIDTH: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
 ):
     TILES: tl.constexpr = CHUNK // BLOCK
     row = tl.program_id(0)
@@ -212,7 +211,7 @@ def _prepare_kernel(
     repetition = tl.load(params + _F_REPETITION).to(tl.float32, bitcast=True)
     presence = tl.load(params + _F_PRESENCE).to(tl.float32, bitcast=True)
     frequency = tl.load(params + _F_FREQUENCY).to(tl.float32, bitcast=True)
-    bias_ids = bias_ids_ptr + slot * _MAX_BIAS
+    bias_ids = bias_ids_ptr + slot * BIAS_WIDTH
     best = tl.full([], float("-inf"), tl.float32)
     best_index = part * CHUNK
     hist = tl.zeros([16], dtype=tl.float32)
@@ -230,10 +229,10 @@ def _prepare_kernel(
             w = tl.where(seen, tl.where(w > 0, tl.math.div_rn(w, repetition), w * repetition), w)
             w = w - (frequency * count.to(tl.float32) + presence * (count > 0).to(tl.float32))
         if has_bias:                # the entries inside this tile: a run of the ascending ids
-            ids = tl.load(bias_ids + tl.arange(0, _MAX_BIAS))
+            ids = tl.load(bias_ids + tl.arange(0, BIAS_WIDTH))
             first_entry = tl.sum((ids < tile_start).to(tl.int32), axis=0)
             for entry in range(first_entry, tl.sum((ids < tile_start + BLOCK).to(tl.int32), axis=0)):
-                bias = tl.load(bias_values_ptr + slot * _MAX_BIAS + entry)
+                bias = tl.load(bias_values_ptr + slot * BIAS_WIDTH + entry)
                 w = tl.where(offs == tl.load(bias_ids + entry), w + bias, w)
         if HAS_MASK:
             word = tl.load(mask_ptr + row * stride_mask + (offs >> 5), mask=in_range, other=0)
@@ -521,7 +520,8 @@ def _run_passes(logits, slots, positions, tables: SamplingTables, workspace: Sam
         tables.prompt_bits, tables.prompt_bits.stride(0), tables.output_counts, tables.output_counts.stride(0),
         tables.bias_ids, tables.bias_values, mask, mask.stride(0),
         workspace.stats_value, workspace.stats_index, workspace.tile_max, workspace.hist, workspace.state,
-        vocab_size, workspace.max_rows, HAS_MASK=allowed_bitmask is not None, **meta, num_warps=config.num_warps,
+        vocab_size, workspace.max_rows, HAS_MASK=allowed_bitmask is not None,
+        BIAS_WIDTH=tables.bias_ids.shape[1], **meta, num_warps=config.num_warps,
         enable_fp_fusion=False)          # w must be the reference's bit for bit: no fused multiply-adds
     meta["PARTS_PAD"] = triton.next_power_of_2(parts)
     for pass_index in range(1, NUM_PASSES):

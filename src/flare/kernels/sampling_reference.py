@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flare.engine.sampling_params import MAX_LOGIT_BIAS
 
 # -- the per-slot parameter table: one int32 row per slot, floats stored as their bits ----------------------
 FIELD_FLAGS = 0
@@ -116,17 +115,20 @@ class SamplingTables:
     params: torch.Tensor            # [slots, NUM_FIELDS] int32
     prompt_bits: torch.Tensor       # [slots, ceil(V / 32)] int32: bit t % 32 of word t // 32 = t in the prompt
     output_counts: torch.Tensor     # [slots, V] int32: how often each token was sampled (penalty slots only)
-    bias_ids: torch.Tensor          # [slots, MAX_LOGIT_BIAS] int32, ascending, distinct; unused: UNUSED_BIAS_ID
-    bias_values: torch.Tensor       # [slots, MAX_LOGIT_BIAS] float32
+    bias_ids: torch.Tensor          # [slots, bias width] int32, ascending, distinct; unused: UNUSED_BIAS_ID
+    bias_values: torch.Tensor       # [slots, bias width] float32
 
     @staticmethod
-    def allocate(num_slots: int, vocab_size: int, device: torch.device | str) -> SamplingTables:
+    def allocate(num_slots: int, vocab_size: int, device: torch.device | str, bias_width: int) -> SamplingTables:
+        """`bias_width`: the most logit-bias entries a slot holds (a power of two: the kernels load a row whole)."""
+        if bias_width < 1 or bias_width & (bias_width - 1):
+            raise ValueError(f"the bias width must be a power of two, not {bias_width}")
         return SamplingTables(
             params=torch.zeros(num_slots, NUM_FIELDS, dtype=torch.int32, device=device),
             prompt_bits=torch.zeros(num_slots, bitmask_words(vocab_size), dtype=torch.int32, device=device),
             output_counts=torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device),
-            bias_ids=torch.full((num_slots, MAX_LOGIT_BIAS), UNUSED_BIAS_ID, dtype=torch.int32, device=device),
-            bias_values=torch.zeros(num_slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=device))
+            bias_ids=torch.full((num_slots, bias_width), UNUSED_BIAS_ID, dtype=torch.int32, device=device),
+            bias_values=torch.zeros(num_slots, bias_width, dtype=torch.float32, device=device))
 
     @property
     def vocab_size(self) -> int:
