@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import socket
-from types import SimpleNamespace
 
 from pathlib import Path
 
@@ -80,14 +79,20 @@ def test_port_in_use_is_a_clear_error():
         taken.close()
 
 
-def test_a_port_outside_the_range_is_refused_by_the_setting_it_came_from():
+def test_a_port_outside_the_range_is_refused_by_the_setting_it_came_from(tmp_path):
+    from flare.config import load_config
+
     assert listener_address(ListenerOptions(port=8001), None) == ("127.0.0.1", 8001)
     for port in (0, 70000, -1):
-        with pytest.raises(UsageError, match=f"--port {port} is outside the port range 1-65535"):
+        with pytest.raises(UsageError, match=f"--port must be a port number from 1 through 65535, not {port}"):
             listener_address(ListenerOptions(port=port), None)
-    configured = SimpleNamespace(server=SimpleNamespace(host="::1", port=65536))
-    with pytest.raises(UsageError, match=r"\[server\] port 65536 is outside the port range 1-65535"):
-        listener_address(ListenerOptions(), configured)
+    path = tmp_path / "config.toml"
+    path.write_text("[server]\nhost = \"::1\"\nport = 8002\n")
+    assert listener_address(ListenerOptions(), load_config(path)) == ("::1", 8002)
+    assert listener_address(ListenerOptions(port=8003), load_config(path)) == ("::1", 8003)      # the flag wins
+    path.write_text("[server]\nport = 65536\n")
+    with pytest.raises(UsageError, match="server.port must be a port number from 1 through 65535, not 65536"):
+        load_config(path)
 
 
 def _model(**changes) -> ServedModel:

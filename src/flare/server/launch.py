@@ -18,7 +18,7 @@ from typing import Any, Callable, TextIO
 from flare.errors import UsageError
 from flare.server.engine_start import gib, serving_device, start_engine_process, start_in_process
 from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, serving_engine_config, serving_kv_pool
-from flare.server.listener import Listener, check_port, reserve, run_http
+from flare.server.listener import Listener, reserve, run_http
 from flare.server.served_model import ServedModel
 from flare.server.settings import SamplingPolicy, ServerSettings
 from flare.ui.banner import show_banner
@@ -65,6 +65,8 @@ def api_key(listener: ListenerOptions, config: Any) -> str | None:
 
 
 def listener_address(listener: ListenerOptions, config: Any) -> tuple[str, int]:
+    """Host and port: the flags, then [server] in the configuration, then 127.0.0.1 port 8000. A port is
+    checked by the PORT setting (1-65535), the flag's here, the file's when the file was loaded."""
     from flare.config import HOST, PORT, resolve
 
     return (resolve(HOST, listener.host, config, "127.0.0.1", fallback_origin="the default").value,
@@ -103,16 +105,6 @@ def served_names(listener: ListenerOptions, model: ServedModel) -> tuple[str, ..
 
 
 # ---- serving ------------------------------------------------------------------------------------------
-
-def listener_address(options: ListenerOptions, config: Any) -> tuple[str, int]:
-    """Host and port: the flags, then [server] in the configuration, then 127.0.0.1 port 8000."""
-    server_config = getattr(config, "server", None)
-    host = options.host or getattr(server_config, "host", None) or "127.0.0.1"
-    if options.port is not None:
-        return host, check_port(options.port, "--port")
-    port = getattr(server_config, "port", None)
-    return host, check_port(8000 if port is None else port, "[server] port")
-
 
 def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, stages: StageReporter,
           stream: TextIO, listener: Listener, startup_lines: Callable[[], list[str]] = lambda: []) -> int:

@@ -1,10 +1,11 @@
 """The HTTP listener: the port reserved before the model loads, then uvicorn serving the app until it stops.
 
-    listener = reserve(host, check_port(port, "--port"))   # bound at once: a busy port fails before loading
-    ...                                                     # load the model
-    listener.listen()                                       # the Start HTTP stage
+    listener = reserve(host, port)          # bound at once: a busy port fails before loading
+    ...                                     # load the model
+    listener.listen()                       # the Start HTTP stage
     run_http(engine, frontend, settings, listener, stream, dashboard)    # -> the exit status
 
+The port's range (1-65535) is checked where it is chosen: `flare.config.PORT`, by `resolve`.
 How it stops (signals, the engine core's death, the bounds) is `flare.server.stopping`.
 """
 
@@ -16,16 +17,6 @@ from typing import Any, TextIO
 
 from flare.errors import UsageError
 from flare.server.settings import ServerSettings
-
-PORTS = range(1, 65536)
-
-
-def check_port(port: int, origin: str) -> int:
-    """`port`, refused by the name of the setting it came from (`--port`, `[server] port`) unless in range."""
-    if isinstance(port, bool) or not isinstance(port, int) or port not in PORTS:
-        raise UsageError(f"{origin} {port} is outside the port range {PORTS.start}-{PORTS.stop - 1}; "
-                         f"choose a port from {PORTS.start} to {PORTS.stop - 1}")
-    return port
 
 
 @dataclass(frozen=True)
