@@ -16,6 +16,7 @@ def imported_flare_modules(folder: str) -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)    # from flare.x import y
             elif isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
         found[str(path.relative_to(SOURCE))] = {name for name in names if name.startswith("flare.")}
@@ -101,3 +102,15 @@ def test_no_import_cycle_between_the_folders_and_top_level_modules():
 def test_the_cycle_finder_finds_a_cycle():
     assert a_cycle({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == ["a", "b", "c", "a"]
     assert a_cycle({("a", "b"), ("b", "c"), ("a", "c")}) == []
+
+
+def test_the_runner_side_of_the_step_contract_imports_no_allocator_scheduler_or_request():
+    """The runner gets what it needs in the StepPlan (flare.engine.step): never the PageAllocator, the
+    scheduler's state or a Request."""
+    runner_side = ("engine/runner.py", "engine/step.py", "engine/batch_slots.py", "engine/step_inputs.py",
+                   "engine/cuda_graphs.py")
+    planner_side = ("flare.engine.kv_cache", "flare.engine.scheduler", "flare.engine.request", "flare.engine.core")
+    imported = imported_flare_modules("engine")
+    offending = {module: sorted(name for name in imported[module] if name.startswith(planner_side))
+                 for module in runner_side}
+    assert {module: names for module, names in offending.items() if names} == {}
