@@ -231,7 +231,16 @@ def pool_capacity_error(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,
 # ----------------------------------------------------------------------------------------------------
 
 def is_out_of_memory(error: BaseException) -> bool:
-    return type(error).__name__ == "OutOfMemoryError" or "out of memory" in str(error).lower()
+    """A device ran out of memory: torch's OutOfMemoryError, or a CUDA allocation failing outside the
+    caching allocator (in a library, or a graph capture), which arrives as a RuntimeError saying so."""
+    import sys
+
+    torch = sys.modules.get("torch")              # no torch loaded: nothing on a device ran out of memory
+    if torch is None:
+        return False
+    out_of_memory = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return isinstance(error, out_of_memory) or (isinstance(error, RuntimeError)
+                                                and "out of memory" in str(error).lower())
 
 
 def failed_allocation(message: str) -> str:

@@ -151,24 +151,12 @@ def failure(error: BaseException) -> CoreFailed:
 
 def failure_kind(error: BaseException) -> FailureKind:
     from flare.errors import CapacityError, FetchError, PreparationError, UsageError
+    from flare.estimate import is_out_of_memory
 
     for kind, error_type in (("usage", UsageError), ("fetch", FetchError), ("capacity", CapacityError),
                              ("preparation", PreparationError)):
         if isinstance(error, error_type):
             return kind
-    if isinstance(error, MemoryError) or _is_device_out_of_memory(error):
+    if isinstance(error, MemoryError) or is_out_of_memory(error):
         return "out_of_memory"
     return "internal"
-
-
-def _is_device_out_of_memory(error: BaseException) -> bool:
-    """torch's OutOfMemoryError; a CUDA allocation failing outside the caching allocator (in a library,
-    or a graph capture) arrives as a RuntimeError saying so."""
-    import sys
-
-    torch = sys.modules.get("torch")              # no torch loaded: nothing on a device ran out of memory
-    if torch is None:
-        return False
-    out_of_memory = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    return isinstance(error, out_of_memory) or (isinstance(error, RuntimeError)
-                                                and "out of memory" in str(error).lower())
