@@ -13,14 +13,17 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flare.engine.config import EngineConfig
 
-Report = Callable[[Any], None]          # takes a flare.engine.messages.StartupProgress
+if TYPE_CHECKING:
+    from flare.engine.messages import StartupProgress
+
+Report = Callable[["StartupProgress"], None]    # the start-up messages, sent on the core's event socket
 
 
-def ignore_progress(message: Any) -> None:
+def ignore_progress(message: StartupProgress) -> None:
     """The report of a factory nobody watches."""
 
 

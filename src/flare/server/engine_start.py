@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flare.server.served_model import ServedModel
 from flare.ui.stages import Stage, StageReporter
+
+if TYPE_CHECKING:
+    from flare.engine.messages import StartupProgress
 
 STAGE_PREPARE = "Prepare kernels and graphs"
 STAGE_ALLOCATE = "Allocate caches"
@@ -112,7 +115,8 @@ def _follow_startup(connection, tokenizer, model: ServedModel, engine_config: An
     return engine
 
 
-def _follow(progress: Iterator[Any], stage: Stage, until: type | None) -> tuple[Any, list[str]]:
+def _follow(progress: Iterator[StartupProgress], stage: Stage, until: type | None
+            ) -> tuple[StartupProgress | None, list[str]]:
     """Apply start-up messages to `stage` until one of type `until` (None: until the core is ready);
     returns that message and the notes that came on the way."""
     from flare.engine.messages import PrepareNote, WeightsRead, WeightsTotal
