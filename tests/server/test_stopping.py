@@ -1,5 +1,6 @@
 """The server's stop, in-process with a stand-in engine: a drain that outlasts its limit ends the requests
-still running with the drain's answer, and an engine that dies stops the server with status 1."""
+still running with the drain's answer, an engine that dies stops the server with status 1, and a stop that
+hangs is ended by the watchdog."""
 
 from __future__ import annotations
 
@@ -77,3 +78,33 @@ def test_an_engine_that_dies_stops_the_server_with_status_1(stories260k):
         assert not served.thread.is_alive()
     assert served.server.exit_status == stopping.ENGINE_FAILED
     assert "the engine core stopped: the engine core exited (exit code -9)" in served.said.getvalue()
+
+
+def test_a_stop_that_hangs_past_its_bound_exits_the_process(monkeypatch):
+    """Whatever still runs (a stuck engine, a client that never reads), the process exits EXIT_TIMEOUT_S
+    after the stop began, saying so; a disarmed watchdog (a server inside a longer-lived process) does not."""
+    from types import SimpleNamespace
+
+    exits: list[int] = []
+    monkeypatch.setattr(stopping, "EXIT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(stopping.os, "_exit", exits.append)
+
+    def stopping_server():
+        engine = SimpleNamespace(stats=lambda: SimpleNamespace(num_running=1, num_waiting=0), dead_reason=None)
+        state = SimpleNamespace(engine=engine, draining=False, ready=True)
+        said = io.StringIO()
+        return stopping.StoppingServer(stopping.uvicorn_config(lambda *_: None, quiet=True), state, said), said
+
+    server, said = stopping_server()
+    server._begin("SIGTERM received", drain=True)
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert exits == [stopping.ENGINE_FAILED]
+    assert "after the stop began; exiting now" in said.getvalue()
+
+    server, said = stopping_server()
+    server._begin("SIGTERM received", drain=True)
+    server.disarm_watchdog()
+    time.sleep(0.5)
+    assert exits == [stopping.ENGINE_FAILED] and "exiting now" not in said.getvalue()
