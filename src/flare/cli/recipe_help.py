@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from flare.recipes import registry
+from flare.models.quantization import fp8_weights_of
 from flare.recipes.base import Checkpoint, Recipe, kv_bytes_per_token
 
 # Preparation commands whose MODEL can name a recipe for `MODEL --help`.
@@ -78,8 +79,13 @@ def describe(recipe: Recipe, checkpoint: Checkpoint, command: str = "export") ->
         ("KV page size", f"{recipe.page_size} tokens"),
     ]
     if checkpoint.config:
+        stored = fp8_weights_of(checkpoint.config)
+        rows.append(("weights", stored.describe() if stored else "the checkpoint's (bfloat16 when served on a GPU)"))
         rows.append(("KV cache", f"{kv_bytes_per_token(checkpoint.config) / 1024:,.0f} KiB per cached token "
-                                 f"(bfloat16, one GPU)"))
+                                 f"(bfloat16, one GPU); {kv_bytes_per_token(checkpoint.config, kv_cache_dtype='fp8') / 1024:,.0f} "
+                                 "KiB with --kv-cache-dtype fp8"))
+    rows.append(("online FP8", f"--online-mxfp8 stores {', '.join(recipe.online_fp8_projections)} as FP8"
+                 if recipe.online_fp8_projections else "unavailable: the recipe names no projections"))
     rows += [
         ("prefill chunk", f"{recipe.prefill_chunk:,} tokens (--prefill-chunk-size)"),
         ("decode capacities", f"{_sizes(recipe.decode_capacities_for(recipe.concurrency.maximum))} "
