@@ -4,6 +4,9 @@ engine serving it gives the greedy tokens of the checkpoint's dequantized weight
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -76,13 +79,23 @@ def export_stories(stories260k, cache_root, recipe=ONLINE_RECIPE, stream=None, *
                         PhaseProgress(stream=stream or io.StringIO(), styled=False))
 
 
+def estimate_of(checkpoint, plan):
+    """The capacity estimate export checks before any weight loads (the section-6 error's figures)."""
+    from flare import prepare
+
+    hf_config = json.loads((checkpoint / "config.json").read_text())
+    return prepare._fit_memory(checkpoint, hf_config, plan, prepare.RecipeFacts(name="llama", model_id="x"), None,
+                               "cpu").estimate
+
+
 def test_online_fp8_export_stores_the_projections_as_e4m3_blocks_and_serves_them(stories260k, cache_root, approved):
     log = io.StringIO()
     entry = export_stories(stories260k, cache_root, stream=log, online_fp8=True)
     assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj as FP8 e4m3" in log.getvalue()
     with open_package(entry, approved) as package:
         assert package.plan.online_fp8 == DECODER_PROJECTIONS and package.plan.kv_cache_dtype == "auto"
-        stored = {t.name: (t.dtype, t.shape) for r in package.weight_payloads() for t in r.tensors}
+        stored_records = [t for r in package.weight_payloads() for t in r.tensors]
+        stored = {t.name: (t.dtype, t.shape) for t in stored_records}
         report = build_report(package, InspectOptions(memory_map=True))
     assert stored["model.layers.0.mlp.up_proj.weight"] == ("F8_E4M3", (172, 64))
     assert stored["model.layers.0.mlp.up_proj.weight_scale_inv"] == ("F32", (2, 1))      # partial 128x128 blocks
@@ -93,6 +106,8 @@ def test_online_fp8_export_stores_the_projections_as_e4m3_blocks_and_serves_them
     dense_bytes = sum(r.size for r in open_package(export_stories(stories260k, cache_root / "dense"),
                                                    approved).weight_payloads())
     assert report["ranks"][0]["weight_bytes"] < dense_bytes
+    assert estimate_of(stories260k, package.plan).weights_bytes == sum(      # the section-6 estimate's weights
+        t.data_offsets[1] - t.data_offsets[0] for t in stored_records)
 
     served = LLMEngine(build_core(load_package_model(str(entry), CONFIG, "cpu", "float32")), load_tokenizer(stories260k))
     cfg, model = load_checkpoint(stories260k, torch.float32, "cpu", TorchReferenceBackend(),
@@ -124,3 +139,21 @@ def test_an_fp8_kv_cache_is_recorded_in_the_plan_and_allocated_when_serving(stor
     assert loaded.model_config.kv_cache_dtype == "fp8"
     engine = LLMEngine(build_core(loaded), load_tokenizer(stories260k))
     assert all(len(tokens) == GREEDY.max_tokens for tokens in greedy_texts(engine))
+
+
+def test_export_help_says_what_online_mxfp8_stores():
+    code = "import sys; from flare.cli.ignition import main; sys.exit(main(sys.argv[1:]))"
+    general = subprocess.run([sys.executable, "-c", code, "export", "--help"], capture_output=True, text=True)
+    assert general.returncode == 0, general.stderr
+    text = " ".join(general.stdout.split())
+    assert ("--online-mxfp8 store the recipe's eligible BF16 projections (the decoder's q/k/v/o and gate/up/down) "
+            "as FP8 e4m3 with one float32 scale per 128x128 block") in text
+    assert "Hopper has no MXFP8 (1x32 blocks, E8M0 scales) instructions" in text
+    card = subprocess.run([sys.executable, "-c", code, "export", "llama-3.1-8b-instruct", "--help"],
+                          capture_output=True, text=True).stdout
+    # 32 layers of 218M e4m3 bytes (and their scales), plus the bfloat16 output projection: 1.05 GB
+    assert "as FP8 e4m3, a float32 scale per 128x128 block; decode then reads 7.48 GiB" in card
+    assert "128 KiB per cached token (bfloat16, one GPU); 66 KiB with --kv-cache-dtype fp8" in card
+    fp8_card = subprocess.run([sys.executable, "-c", code, "export", "qwen3-8b-fp8", "--help"],
+                              capture_output=True, text=True).stdout
+    assert "online FP8         unavailable: the checkpoint is already FP8" in fp8_card
