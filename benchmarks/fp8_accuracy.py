@@ -14,10 +14,18 @@ KV head). Both run the torch reference of the kernels, which compute the same fu
 (weight-only FP8: activations stay in the serving dtype).
 
 Models: the stories260k fixture (text: short children's stories written for this benchmark, in the
-style of its training data) and the built-in demo model (text: the held-out part of its Python
-documentation corpus, which it never trained on; built on first use, a few minutes).
+style of its training data), the built-in demo model (text: the held-out part of its Python
+documentation corpus, which it never trained on; built on first use, a few minutes), and "gpu-trained":
+a wider model (512 wide, 8 layers, 64-wide heads) trained on the GPU for a few minutes from the demo's
+corpus by the demo's own pipeline, measured on the same held-out documents.
+
+With --device cuda every variant runs in bfloat16 on the GPU through the serving kernels (the FP8 GEMV
+and GEMM, the attention kernels reading the FP8 cache) and "bf16" is the dense model there, the
+yardstick the issue's targets name; the float32 reference runs on the CPU. --chunk 1 feeds every token
+as a decode step (GEMV, decode attention); the default 32-token chunks take the prompt path.
 
     python benchmarks/fp8_accuracy.py --out benchmarks/results/fp8_accuracy.json
+    python3 benchmarks/fp8_accuracy.py --device cuda --models gpu-trained --out $OUT/fp8_accuracy_gpu.json
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,13 +44,20 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from flare.demo.spec import DemoSpec  # noqa: E402
 from flare.engine.attention import AttentionMetadata, TorchReferenceBackend, allocate_kv_caches  # noqa: E402
+from flare.engine.factory import attention_backend  # noqa: E402
 from flare.models import load_checkpoint  # noqa: E402
 from flare.models.quantization import DECODER_PROJECTIONS  # noqa: E402
 
 STORIES260K = REPO / "tests" / "fixtures" / "stories260k"
 CHUNK = 32
 PAGE_SIZE = 16
+# The gpu-trained model: the demo's corpus, tokenizer and training loop at a width where 128x128 blocks and
+# 64-wide heads are what real models have (512 wide, MLP 1,536: 4 and 12 blocks), about 26M parameters.
+GPU_SPEC = DemoSpec(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                    intermediate_size=1536, max_position_embeddings=1024, sequence_length=512, batch_size=8,
+                    steps=1500, learning_rate=1e-3, warmup_steps=100, log_every=250)
 # "bf16" is the yardstick: the same model merely rounded to bfloat16, as it is served on a GPU.
 VARIANTS = {
     "bf16": {"dtype": torch.bfloat16},
@@ -93,6 +109,43 @@ def demo_text(limit_documents: int = 12) -> tuple[Path, list[str]]:
     return directory, [document_text(document) for document in held_out[:limit_documents]]
 
 
+def gpu_trained(directory: Path, spec: DemoSpec = GPU_SPEC, device: str = "cuda") -> tuple[Path, list[str], dict]:
+    """The gpu-trained checkpoint in `directory` (`spec` trained on `device` on first use, reused after),
+    the demo corpus's held-out documents, and what its training measured."""
+    from flare.demo import corpus
+    from flare.demo.tokenizer import train_tokenizer, write_tokenizer_files
+    from flare.demo.train import mean_loss, new_model, token_stream, train
+
+    training, held_out = corpus.split_held_out(corpus.collect_documents())
+    held_out_texts = [corpus.document_text(document) for document in held_out]
+    record = directory / "training.json"
+    if not record.is_file() or json.loads(record.read_text())["spec"] != spec.as_dict():
+        texts = corpus.training_texts(training, spec.seed)
+        tokenizer = train_tokenizer(texts, spec.vocab_size)
+        stream, held_out_stream = token_stream(tokenizer, texts), token_stream(tokenizer, held_out_texts)
+        torch.backends.cuda.matmul.allow_tf32 = True                 # float32 weights, TF32 products
+        model = new_model(spec, tokenizer).to(device)
+        untrained = mean_loss(model, held_out_stream, spec.sequence_length)
+        started = time.monotonic()
+        train(model, stream, spec, lambda line: print(line.replace("demo:", "gpu-trained:"), flush=True))
+        seconds = time.monotonic() - started
+        loss = mean_loss(model, held_out_stream, spec.sequence_length)
+        directory.mkdir(parents=True, exist_ok=True)
+        model.cpu().save_pretrained(directory)             # config.json, model.safetensors (float32, tied head)
+        write_tokenizer_files(tokenizer, directory, spec.max_position_embeddings)
+        parameters = sum(p.numel() for p in model.parameters())
+        record.write_text(json.dumps({
+            "spec": spec.as_dict(), "parameters": parameters, "corpus_tokens": len(stream),
+            "training_seconds": round(seconds, 1), "held_out_loss": round(loss, 4),
+            "untrained_held_out_loss": round(untrained, 4),
+            "device": torch.cuda.get_device_name() if device == "cuda" else device}, indent=2))
+    training_record = json.loads(record.read_text())
+    print(f"gpu-trained: {training_record['parameters'] / 1e6:.1f}M parameters, "
+          f"{training_record['training_seconds']}s of training, held-out loss {training_record['held_out_loss']} "
+          f"(untrained {training_record['untrained_held_out_loss']})", flush=True)
+    return directory, held_out_texts, training_record
+
+
 def tokenize(directory: Path, texts: list[str], max_len: int) -> list[list[int]]:
     from flare.frontend.tokenizer import load_tokenizer
 
@@ -102,16 +155,19 @@ def tokenize(directory: Path, texts: list[str], max_len: int) -> list[list[int]]
 
 
 @torch.no_grad()
-def sequence_logits(cfg, model, ids: list[int], dtype=torch.float32) -> torch.Tensor:
-    """float32 logits [len(ids), V] of a sequence fed through the paged cache in CHUNK-token steps."""
+def sequence_logits(cfg, model, ids: list[int], dtype=torch.float32, device: str = "cpu",
+                    chunk: int = CHUNK) -> torch.Tensor:
+    """float32 logits [len(ids), V] (on the CPU) of a sequence fed through the paged cache in `chunk`-token
+    steps: later tokens read the earlier ones back from the cache, as decoding does."""
     pages = -(-len(ids) // PAGE_SIZE)
-    caches = allocate_kv_caches(cfg, pages, PAGE_SIZE, dtype, "cpu")
+    caches = allocate_kv_caches(cfg, pages, PAGE_SIZE, dtype, device)
     rows = []
-    for start in range(0, len(ids), CHUNK):
-        chunk = ids[start:start + CHUNK]
-        meta = AttentionMetadata.build([len(chunk)], [start + len(chunk)], [list(range(pages))], PAGE_SIZE)
-        hidden = model(torch.tensor(chunk), meta.positions(), caches, meta)
-        rows.append(model.compute_logits(hidden))
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [list(range(pages))], PAGE_SIZE,
+                                       device=device)
+        hidden = model(torch.tensor(piece, device=device), meta.positions(), caches, meta)
+        rows.append(model.compute_logits(hidden).float().cpu())
     return torch.cat(rows)
 
 
@@ -135,17 +191,21 @@ def compare(reference: list[torch.Tensor], variant: list[torch.Tensor], sequence
             "mean_kl_nats": kl / positions}
 
 
-def evaluate(name: str, directory: Path, texts: list[str], max_len: int) -> dict:
+def evaluate(directory: Path, texts: list[str], max_len: int, device: str = "cpu", chunk: int = CHUNK) -> dict:
+    """Every variant against the float32 model (on the CPU). On "cuda" the variants run in bfloat16 through
+    the GPU kernels; on the CPU in float32 (their "bf16" in bfloat16) through the torch reference."""
     cfg, model = load_checkpoint(directory, torch.float32, "cpu", TorchReferenceBackend())
     sequences = tokenize(directory, texts, min(max_len, cfg.max_position_embeddings))
-    reference = [sequence_logits(cfg, model, ids) for ids in sequences]
+    reference = [sequence_logits(cfg, model, ids) for ids in sequences]      # float32: chunking changes nothing
     results = {"checkpoint": str(directory), "sequences": len(sequences), "tokens": sum(map(len, sequences)),
                "variants": {}}
+    serving_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for variant, precision in VARIANTS.items():
         precision = dict(precision)
-        dtype = precision.pop("dtype", torch.float32)
-        variant_cfg, variant_model = load_checkpoint(directory, dtype, "cpu", TorchReferenceBackend(), **precision)
-        logits = [sequence_logits(variant_cfg, variant_model, ids, dtype) for ids in sequences]
+        dtype = precision.pop("dtype", serving_dtype)
+        variant_cfg, variant_model = load_checkpoint(directory, dtype, device, attention_backend(device, cfg.head_dim),
+                                                     **precision)
+        logits = [sequence_logits(variant_cfg, variant_model, ids, dtype, device, chunk) for ids in sequences]
         bf16 = logits if variant == "bf16" else bf16                # "bf16" comes first
         results["variants"][variant] = compare(reference, logits, sequences, bf16)
     return results
@@ -164,22 +224,37 @@ def print_table(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["stories260k", "demo"], choices=["stories260k", "demo"])
+    parser.add_argument("--models", nargs="+", default=["stories260k", "demo"],
+                        choices=["stories260k", "demo", "gpu-trained"])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the variants run (cuda: bfloat16 through the serving kernels)")
+    parser.add_argument("--chunk", type=int, default=CHUNK, help="tokens per step through the cache (1: decode)")
     parser.add_argument("--max-len", type=int, default=512, help="tokens per sequence at most")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/flare-fp8-accuracy"),
+                        help="where the gpu-trained checkpoint is trained once and kept")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
+    if "gpu-trained" in args.models and not torch.cuda.is_available():
+        parser.error("gpu-trained is trained on the GPU: run it where CUDA is available")
     torch.manual_seed(0)
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    device = (f"cuda ({torch.cuda.get_device_name()}, serving kernels in bfloat16)" if args.device == "cuda"
+              else "cpu (torch reference of the FP8 kernels)")
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "commit": commit, "device": "cpu (torch reference of the FP8 kernels)", "torch": torch.__version__,
-               "chunk_tokens": CHUNK, "models": {}}
+               "commit": commit, "device": device, "torch": torch.__version__, "chunk_tokens": args.chunk,
+               "models": {}}
     for model in args.models:
+        training = None
         if model == "stories260k":
-            results["models"][model] = evaluate(model, STORIES260K, stories_text(), args.max_len)
-        else:
+            directory, texts = STORIES260K, stories_text()
+        elif model == "demo":
             directory, texts = demo_text()
-            results["models"][model] = evaluate(model, directory, texts, args.max_len)
+        else:
+            directory, texts, training = gpu_trained(args.work / "gpu-trained")
+        results["models"][model] = evaluate(directory, texts, args.max_len, args.device, args.chunk)
+        if training:
+            results["models"][model]["training"] = training
     print_table(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,9 @@
 #   bench       `ignition bench` of the checkpoint (stops the server; later serve phases need a restart)
 # Environment: PY (python, default python3), OUT (also packed into OUT/results.tgz), WORK (scratch, default
 # /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
-# MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl).
+# MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl),
+# EXPORT_FLAGS (more `ignition export` flags, e.g. "--online-mxfp8 --kv-cache-dtype fp8": FP8 weights and
+# an FP8 KV cache; recorded in device.txt and summary.json).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
@@ -55,6 +57,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
 echo "commit ${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"
+echo "export flags: ${EXPORT_FLAGS:-none}" | tee -a "$OUT/device.txt"
 
 CKPT=$WORK/ckpt-${SHAPE/:/-}
 # WORK is scratch: an 8B checkpoint and its package take ~32 GB, so other shapes' checkpoints and
@@ -77,7 +80,8 @@ fi
 
 log "ignition export"
 started=$(now)
-ignition export "$CKPT" --max-concurrency "${MAX_CONCURRENCY:-256}" > "$WORK/entry" 2> "$OUT/export.log"
+# shellcheck disable=SC2086  # EXPORT_FLAGS is a list of flags
+ignition export "$CKPT" --max-concurrency "${MAX_CONCURRENCY:-256}" ${EXPORT_FLAGS:-} > "$WORK/entry" 2> "$OUT/export.log"
 rc=$?
 export_s=$(elapsed "$started")
 tail -15 "$OUT/export.log"
@@ -152,10 +156,11 @@ for path in glob.glob(sys.argv[1] + "/*.prof"):
   esac
 done
 stop_server
-"$PY" - "$OUT" "$SHAPE" "$export_s" "$first_startup_s" "${restart_s:-null}" <<'PY'
+"$PY" - "$OUT" "$SHAPE" "$export_s" "$first_startup_s" "${restart_s:-null}" "${EXPORT_FLAGS:-}" <<'PY'
 import json, pathlib, sys
-out, shape, export_s, first, restart = sys.argv[1:]
-summary = {"shape": shape, "export_s": float(export_s), "startup_to_first_answer_s": float(first or "nan"),
+out, shape, export_s, first, restart, export_flags = sys.argv[1:]
+summary = {"shape": shape, "export_flags": export_flags.split(), "export_s": float(export_s),
+           "startup_to_first_answer_s": float(first or "nan"),
            "restart_to_first_answer_s": None if restart == "null" else float(restart), "levels": {}}
 for path in sorted(pathlib.Path(out).glob("*.json")):
     if path.name == "summary.json":

@@ -45,6 +45,7 @@ class RecipeFacts:
     sampling_defaults: dict = field(default_factory=dict)
     sampling_ranges: dict = field(default_factory=dict)
     export_repository: str | None = None
+    online_fp8_projections: tuple[str, ...] = ()    # what --online-mxfp8 converts; empty: it is refused
 
     @classmethod
     def from_resolved(cls, resolved) -> "RecipeFacts":
@@ -66,7 +67,8 @@ class RecipeFacts:
                    decode_capacities=tuple(recipe.decode_capacities),
                    sampling_defaults=sampling.defaults(),
                    sampling_ranges={name: list(bounds) for name, bounds in sampling.ranges.items()},
-                   export_repository=checkpoint.export_repository if checkpoint is not None else None)
+                   export_repository=checkpoint.export_repository if checkpoint is not None else None,
+                   online_fp8_projections=recipe.online_fp8_projections)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class ExportOptions:
     dtype: str | None = None                       # overrides the device's serving dtype
     compile: bool = True                           # False: --no-compile (graphs of the eager layers)
     compile_workers: int | None = None             # --compile-workers, else [preparation] compile_workers
+    online_fp8: bool = False                       # --online-mxfp8: the recipe's projections stored as FP8
+    kv_cache_dtype: str | None = None              # --kv-cache-dtype, else "auto" (the serving dtype)
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         plan = msgspec.structs.replace(plan, tensor_parallel=max(1, len(selected)))
         phase.done(f"{_device_label(selected)}; {dtype}; "
                    f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}")
-    _load_weights(progress, source.directory, dtype, device)
+    _load_weights(progress, source.directory, plan, device)
     workers = resolve(COMPILE_WORKERS, options.compile_workers, settings.config).value    # None: automatic
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
@@ -174,7 +178,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     return entry
 
 
-def _load_weights(progress: PhaseProgress, checkpoint_dir: Path, dtype: str, device: str) -> None:
+def _load_weights(progress: PhaseProgress, checkpoint_dir: Path, plan: Plan, device: str) -> None:
     """The Load weights phase: the checkpoint's tensors grouped into payloads and, on a CPU, loaded
     through the model once (`_load_through_model`)."""
     from flare.package import weights as wt
@@ -183,10 +187,12 @@ def _load_weights(progress: PhaseProgress, checkpoint_dir: Path, dtype: str, dev
         files = wt.checkpoint_tensor_files(checkpoint_dir)
         groups = wt.group_by_payload(files)
         if device == "cpu":
-            _load_through_model(checkpoint_dir, dtype)
+            _load_through_model(checkpoint_dir, plan)
+        online = (f"; {', '.join(plan.online_fp8)} as FP8 e4m3 with a float32 scale per 128x128 block"
+                  if plan.online_fp8 else "")
         phase.done(f"{len(files)} tensors in {len(groups)} layer payloads, "
-                   f"{format_bytes(wt.serving_bytes(files, dtype))} as {dtype}"
-                   + ("; loaded into the model" if device == "cpu" else ""))
+                   f"{format_bytes(wt.serving_bytes(files, plan.dtype, wt.online_fp8_of(plan)))} as {plan.dtype}"
+                   + online + ("; loaded into the model" if device == "cpu" else ""))
 
 
 def _export_spec(source: CheckpointSource, recipe: RecipeFacts, options: ExportOptions, hf_config: dict,
@@ -203,7 +209,7 @@ def _export_spec(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         compiled=prepared.artifacts if prepared else None)
 
 
-def _load_through_model(checkpoint_dir: Path, dtype: str) -> None:
+def _load_through_model(checkpoint_dir: Path, plan: Plan) -> None:
     """Load the checkpoint into the model once, as serving will, so that a tensor the model cannot take
     fails the export (a WeightError, exit 5, naming it) rather than `flare run`. On a GPU the compile
     phase's warm-up loads it the same way."""
@@ -212,7 +218,8 @@ def _load_through_model(checkpoint_dir: Path, dtype: str) -> None:
     from flare.engine.factory import attention_backend
     from flare.models import load_checkpoint
 
-    load_checkpoint(checkpoint_dir, getattr(torch, dtype), "cpu", attention_backend("cpu"))
+    load_checkpoint(checkpoint_dir, getattr(torch, plan.dtype), "cpu", attention_backend("cpu"),
+                    online_fp8=plan.online_fp8, kv_cache_dtype=plan.kv_cache_dtype)
 
 
 def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: PhaseProgress,
@@ -275,13 +282,15 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
     from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
                                     snapshot_bytes)
     estimate = MemoryEstimate(
-        weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype),
+        weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype,
+                                       wt.online_fp8_of(plan)),
         # What serving will set aside beside the pages, so that a package that prepares also serves here.
         graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk),
         live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan.page_size,
                                                                   plan.max_model_len),
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
-        kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype]),
+        kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype],
+                                              kv_cache_dtype=plan.kv_cache_dtype),
         max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size)
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
     headroom = max(engine_headroom("preparation", plan.prefill_chunk), engine_headroom("serving"))
@@ -337,11 +346,29 @@ def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_co
     if not 1 <= concurrency.value <= recipe.max_concurrency:
         raise UsageError(f"{concurrency.origin} is outside {recipe.name}'s range 1 through {recipe.max_concurrency}")
     chunk = resolve(PREFILL_CHUNK, options.prefill_chunk, settings.config, recipe.prefill_chunk).value
+    online_fp8, kv_cache_dtype = _precision(recipe, options, hf_config)
     return Plan(dtype=dtype, page_size=recipe.page_size, prefill_chunk=chunk, compile=options.compile,
                 max_concurrency=concurrency.value,
                 decode_capacities=tuple(decode_capacities_for(recipe.decode_capacities, concurrency.value)),
                 max_model_len=hf_config.get("max_position_embeddings"),
-                memory_reserve_bytes=settings.memory_reserve_bytes, tensor_parallel=1)
+                memory_reserve_bytes=settings.memory_reserve_bytes, tensor_parallel=1,
+                online_fp8=online_fp8, kv_cache_dtype=kv_cache_dtype)
+
+
+def _precision(recipe: RecipeFacts, options: ExportOptions, hf_config: dict) -> tuple[tuple[str, ...], str]:
+    """The projections --online-mxfp8 stores as FP8 (the recipe's) and the KV cache dtype, checked against
+    the checkpoint as serving will build it (an FP8 checkpoint refuses online FP8)."""
+    from flare.models import ModelConfig
+
+    online_fp8 = ()
+    if options.online_fp8:
+        if not recipe.online_fp8_projections:
+            raise UsageError(f"--online-mxfp8: the {recipe.name} recipe names no projections it may store as "
+                             "FP8; export without --online-mxfp8")
+        online_fp8 = tuple(recipe.online_fp8_projections)
+    kv_cache_dtype = options.kv_cache_dtype or "auto"
+    ModelConfig.from_hf_config(hf_config, online_fp8=online_fp8, kv_cache_dtype=kv_cache_dtype)
+    return online_fp8, kv_cache_dtype
 
 
 def _sampling_defaults(recipe: RecipeFacts, checkpoint_dir: Path) -> dict:

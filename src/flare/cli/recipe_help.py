@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from flare.recipes import registry
-from flare.recipes.base import Checkpoint, Recipe, kv_bytes_per_token
+from flare.models.quantization import fp8_weights_of
+from flare.recipes.base import Checkpoint, Recipe, decode_weight_bytes, kv_bytes_per_token
 
 # Preparation commands whose MODEL can name a recipe for `MODEL --help`.
 RECIPE_HELP_COMMANDS = ("export", "debug-serve", "bench")
@@ -52,6 +53,19 @@ def _number(value: float) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
+def _online_fp8(recipe: Recipe, checkpoint: Checkpoint) -> str:
+    """What --online-mxfp8 would store for this checkpoint, and what a decode step then reads."""
+    projections = tuple(recipe.online_fp8_projections)
+    if not projections:
+        return "unavailable: the recipe names no projections"
+    if checkpoint.config and fp8_weights_of(checkpoint.config):
+        return "unavailable: the checkpoint is already FP8"
+    stored = f"--online-mxfp8 stores {', '.join(projections)} as FP8 e4m3, a float32 scale per 128x128 block"
+    if not checkpoint.config:
+        return stored
+    return f"{stored}; decode then reads {_gib(decode_weight_bytes(checkpoint.config, online_fp8=projections))}"
+
+
 def describe(recipe: Recipe, checkpoint: Checkpoint, command: str = "export") -> str:
     """A recipe's defaults, limits and optional features for one of its checkpoints."""
     spec = recipe.speculation
@@ -78,8 +92,12 @@ def describe(recipe: Recipe, checkpoint: Checkpoint, command: str = "export") ->
         ("KV page size", f"{recipe.page_size} tokens"),
     ]
     if checkpoint.config:
+        stored = fp8_weights_of(checkpoint.config)
+        rows.append(("weights", stored.describe() if stored else "the checkpoint's (bfloat16 when served on a GPU)"))
         rows.append(("KV cache", f"{kv_bytes_per_token(checkpoint.config) / 1024:,.0f} KiB per cached token "
-                                 f"(bfloat16, one GPU)"))
+                                 f"(bfloat16, one GPU); {kv_bytes_per_token(checkpoint.config, kv_cache_dtype='fp8') / 1024:,.0f} "
+                                 "KiB with --kv-cache-dtype fp8"))
+    rows.append(("online FP8", _online_fp8(recipe, checkpoint)))
     rows += [
         ("prefill chunk", f"{recipe.prefill_chunk:,} tokens (--prefill-chunk-size)"),
         ("decode capacities", f"{_sizes(recipe.decode_capacities_for(recipe.concurrency.maximum))} "

@@ -1,4 +1,5 @@
-"""Train the demo model: a small LlamaForCausalLM, briefly, on the CPU, with plain PyTorch.
+"""Train the demo model: a small LlamaForCausalLM, briefly, on the CPU, with plain PyTorch. Training
+runs where the model is: benchmarks/fp8_accuracy.py trains a wider one on the GPU the same way.
 
 Reproducible: fixed seeds and batches drawn from a seeded generator; the weights come out
 bit-identical with one or two threads (a test checks this), so the thread count is chosen for speed
@@ -84,16 +85,17 @@ def new_model(spec: DemoSpec, tokenizer):
 
 
 def train(model, stream, spec: DemoSpec, log: Callable[[str], None]) -> None:
-    """Train `model` in place for `spec.steps` steps on random windows of `stream`."""
+    """Train `model` in place for `spec.steps` steps on random windows of `stream`, on the model's device."""
     import torch
 
-    generator = torch.Generator().manual_seed(spec.seed)
+    generator = torch.Generator().manual_seed(spec.seed)          # on the CPU, wherever the model is
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _learning_rate_factor(step, spec))
     model.train()
     started = time.monotonic()
     for step in range(1, spec.steps + 1):
-        inputs = _random_windows(stream, spec, generator)
+        inputs = _random_windows(stream, spec, generator).to(device)
         loss = model(input_ids=inputs, labels=inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -112,8 +114,10 @@ def mean_loss(model, stream, sequence_length: int) -> float:
     usable = (len(stream) // sequence_length) * sequence_length
     windows = stream[:usable].view(-1, sequence_length)
     losses = []
+    device = next(model.parameters()).device
     with torch.no_grad():
         for batch in windows.split(16):
+            batch = batch.to(device)
             losses.append(model(input_ids=batch, labels=batch).loss.item() * len(batch))
     return sum(losses) / len(windows)
 

@@ -201,7 +201,8 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
         import torch._inductor.config as inductor
 
         inductor.compile_threads = compile_workers
-    loaded = load_checkpoint_model(checkpoint_dir, config, device, plan.dtype)
+    loaded = load_checkpoint_model(checkpoint_dir, config, device, plan.dtype, online_fp8=plan.online_fp8,
+                                   kv_cache_dtype=plan.kv_cache_dtype)
     loaded = replace(loaded, compile_layers=plan.compile)
     core = build_core(loaded)
     graphs = core.runner.graphs

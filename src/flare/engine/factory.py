@@ -52,13 +52,13 @@ class ModelFactory:
 
 def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | None = None,
                           device: str = "cpu", dtype: str | None = None,
-                          extra_eos_token_ids: tuple[int, ...] = (), report: Report = ignore_progress
-                          ) -> LoadedModel:
+                          extra_eos_token_ids: tuple[int, ...] = (), report: Report = ignore_progress,
+                          online_fp8: tuple[str, ...] = (), kv_cache_dtype: str = "auto") -> LoadedModel:
     """Load a Hugging Face checkpoint directory with the attention backend of its device.
 
     dtype defaults to float32 on a CPU and bfloat16 on CUDA. EOS ids: config.json's,
     generation_config.json's, then `extra_eos_token_ids` (the tokenizer's). Reports when the weights
-    are loaded.
+    are loaded. `online_fp8` and `kv_cache_dtype` are a package plan's precision (models.load_checkpoint).
     """
     import time
 
@@ -76,7 +76,8 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     else:
         backend = attention_backend(device)
     started = time.perf_counter()
-    model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend)
+    model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend, online_fp8=online_fp8,
+                                          kv_cache_dtype=kv_cache_dtype)
     report(WeightsLoaded(time.perf_counter() - started))
     eos = merge_token_ids(model_config.eos_token_ids, generation_eos_token_ids(directory), extra_eos_token_ids)
     if engine_config is None:

@@ -18,7 +18,7 @@ from torch import nn
 from flare.kernels import routing
 from flare.kernels.fp8_reference import fp8_linear_reference, quantize_blocks, scale_grid
 from flare.models.errors import WeightError
-from flare.models.quantization import Fp8Weights
+from flare.models.quantization import Fp8Weights, online_conversion
 
 FP8 = torch.float8_e4m3fn
 
@@ -46,13 +46,13 @@ def online_fp8_tensors(weights: Iterable[tuple[str, torch.Tensor]], fp8: Fp8Weig
     converts becomes its e4m3 blocks and their float32 `weight_scale_inv` (flare.kernels.fp8_reference
     .quantize_blocks); every other tensor passes unchanged."""
     for name, tensor in weights:
-        module, _, suffix = name.rpartition(".")
-        if suffix == "weight" and tensor.dim() == 2 and fp8.quantizes(module):
-            quantized, scale = quantize_blocks(tensor, fp8.block)
-            yield name, quantized
-            yield f"{module}.{fp8.scale_suffix}", scale
-        else:
+        conversion = online_conversion(name, tuple(tensor.shape), fp8)
+        if conversion is None:
             yield name, tensor
+            continue
+        quantized, scale = quantize_blocks(tensor, fp8.block)
+        yield name, quantized
+        yield conversion[0], scale
 
 
 class Fp8Linear(nn.Module):

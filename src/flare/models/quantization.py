@@ -36,14 +36,15 @@ BLOCK = (128, 128)                      # the block of block-scaled checkpoints 
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_SCALE_BYTES = 4                      # one float32 scale per token, KV head and K or V
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ONLINE_FP8_HELP = ("store the decoder's BF16 q/k/v/o and gate/up/down projections as FP8 e4m3 with one "
-                   "float32 scale per 128x128 block (the layout of block-FP8 checkpoints such as "
-                   "Qwen3-8B-FP8), read back to BF16 in the matrix kernels; embeddings, norms and the LM "
-                   "head keep the serving dtype. Hopper has no MXFP8 (1x32 blocks, E8M0 scales) "
-                   "instructions; this is its native equivalent")
+ONLINE_FP8_HELP = ("store the recipe's eligible BF16 projections (the decoder's q/k/v/o and gate/up/down) as "
+                   "FP8 e4m3 with one float32 scale per 128x128 block, the layout of block-FP8 checkpoints "
+                   "such as Qwen3-8B-FP8, while exporting; the kernels read them back to BF16 "
+                   "(weight-only: activations stay BF16). Embeddings, norms and the LM head keep the serving "
+                   "dtype. This trades checkpoint precision for decode bandwidth; Hopper has no MXFP8 (1x32 "
+                   "blocks, E8M0 scales) instructions, so this is its form of it")
 KV_CACHE_HELP = ("auto: the serving dtype; fp8: each cached key and value vector as e4m3 with one float32 "
-                 "scale per token and KV head, about half the bytes per token, so the pool holds about twice "
-                 "the tokens")
+                 "scale per token and KV head (its absolute maximum / 448), head_dim + 4 bytes instead of "
+                 "2 x head_dim, so the pool holds about twice the tokens")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,16 @@ def online_fp8(projections: tuple[str, ...]) -> Fp8Weights:
                                f"{', '.join(DECODER_PROJECTIONS)}")
     return Fp8Weights(method="online", granularity="block", block=BLOCK, scale_suffix="weight_scale_inv",
                       targets=tuple(projections))
+
+
+def online_conversion(name: str, shape, fp8: Fp8Weights) -> tuple[str, tuple[int, int]] | None:
+    """For a checkpoint tensor the online FP8 export converts (a 2-D `.weight` of a projection `fp8`
+    names): the name and shape of the float32 scale tensor stored beside its e4m3 values. None otherwise."""
+    module, _, suffix = name.rpartition(".")
+    if fp8.method != "online" or suffix != "weight" or len(shape) != 2 or not fp8.quantizes(module):
+        return None
+    rows, columns = shape
+    return f"{module}.{fp8.scale_suffix}", (-(-rows // fp8.block[0]), -(-columns // fp8.block[1]))
 
 
 def fp8_weights_of(hf_config: Mapping[str, Any]) -> Fp8Weights | None:

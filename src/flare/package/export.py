@@ -121,7 +121,8 @@ def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cach
         payload, names = group
         path = tree / payload
         path.parent.mkdir(parents=True, exist_ok=True)
-        sha256, size = st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype))
+        sha256, size = st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype,
+                                                              wt.online_fp8_of(spec.plan)))
         tensors, sample = verify.describe_weight_payload(path, size)     # read back from the page cache
         return PayloadRecord(payload, "weights", sha256, size, tensors, sample)
 
@@ -143,6 +144,7 @@ def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source,
         ("recipe", spec.recipe_name, old.recipe.name),
         ("checkpoint revision", spec.checkpoint_revision, old.checkpoint.revision),
         ("dtype", spec.plan.dtype, old.plan.dtype),
+        ("online FP8 projections", spec.plan.online_fp8, old.plan.online_fp8),
         ("tensor-parallel size", spec.plan.tensor_parallel, old.plan.tensor_parallel),
         ("checkpoint config", spec.hf_config, old.checkpoint.config)) if ours != theirs]
     files = wt.checkpoint_tensor_files(spec.checkpoint_dir)
@@ -154,7 +156,8 @@ def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source,
         raise PreparationError(f"--reuse-weights: the cached default version {source.label} differs in "
                                f"{', '.join(mismatches)}; export without --reuse-weights")
     for record in reused:
-        _check_reused_tensors(record, wt.planned_tensors(groups[record.name], files, spec.plan.dtype), source.label)
+        planned = wt.planned_tensors(groups[record.name], files, spec.plan.dtype, wt.online_fp8_of(spec.plan))
+        _check_reused_tensors(record, planned, source.label)
     for record in reused:
         if not cache.has_blob(record.sha256):
             raise PreparationError(f"--reuse-weights: payload {record.name} ({record.sha256[:12]}…) is "

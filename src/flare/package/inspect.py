@@ -99,23 +99,49 @@ def _model(manifest: Manifest) -> dict:
 
 def _capacities(manifest: Manifest) -> dict:
     plan = manifest.plan
-    return {"dtype": plan.dtype, "max_model_len": plan.max_model_len,
+    return {"dtype": plan.dtype, "weights": _weight_format(manifest), "kv_cache_dtype": plan.kv_cache_dtype,
+            "max_model_len": plan.max_model_len,
             "max_concurrency": plan.max_concurrency, "decode_capacities": list(plan.decode_capacities),
             "prefill_chunk": plan.prefill_chunk, "page_size": plan.page_size,
             "kv_bytes_per_token": _kv_bytes_per_token(manifest),
             "memory_reserve_bytes": plan.memory_reserve_bytes}
 
 
-def _kv_bytes_per_token(manifest: Manifest) -> int | None:
-    config = manifest.checkpoint.config
+def _weight_format(manifest: Manifest) -> str:
+    """How the projections are stored: FP8 (the checkpoint's, or online at export), or the serving dtype."""
+    from flare.models import UnsupportedModel
+    from flare.models.quantization import fp8_weights_of, online_fp8
+
     try:
-        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        layers = config["num_hidden_layers"]
+        fp8 = online_fp8(manifest.plan.online_fp8) if manifest.plan.online_fp8 else fp8_weights_of(
+            manifest.checkpoint.config)
+    except UnsupportedModel as error:
+        return f"not servable: {error}"
+    if fp8 is None:
+        return f"{manifest.plan.dtype} (floating-point tensors cast at export)"
+    which = f" ({', '.join(fp8.targets)})" if fp8.method == "online" else ""
+    return f"{fp8.describe()}{which}; other tensors {manifest.plan.dtype}, scales float32"
+
+
+def _kv_bytes_per_token(manifest: Manifest) -> int | None:
+    from flare.recipes.base import kv_bytes_per_token
+
+    config, plan = manifest.checkpoint.config, manifest.plan
+    try:
+        return kv_bytes_per_token(config, DTYPE_BYTES.get(plan.dtype, 2), plan.tensor_parallel, plan.kv_cache_dtype)
     except (KeyError, TypeError):
         return None
-    tp = manifest.plan.tensor_parallel
-    return 2 * layers * max(1, heads // tp) * head_dim * DTYPE_BYTES.get(manifest.plan.dtype, 2)
+
+
+def payload_storage(record) -> dict[str, int] | None:
+    """Bytes of a weight payload per stored dtype (safetensors codes: F8_E4M3, F32, BF16, ...), from its
+    signed tensor list; None for payloads without one."""
+    if not record.tensors:
+        return None
+    storage: dict[str, int] = {}
+    for tensor in record.tensors:
+        storage[tensor.dtype] = storage.get(tensor.dtype, 0) + tensor.data_offsets[1] - tensor.data_offsets[0]
+    return dict(sorted(storage.items(), key=lambda item: -item[1]))
 
 
 def _select_deployment(manifest: Manifest, tensor_parallel: int | None) -> Deployment:
@@ -146,7 +172,12 @@ def _select_ranks(deployment: Deployment, rank: int | None) -> tuple[Rank, ...]:
 
 def _rank_summary(package: Package, rank: Rank) -> dict:
     catalog = _catalog(package, rank)
+    storage: dict[str, int] = {}
+    for record in package.weight_payloads():
+        for code, size in (payload_storage(record) or {}).items():
+            storage[code] = storage.get(code, 0) + size
     return {"rank": rank.rank, "weight_bytes": sum(r.size for r in package.weight_payloads()),
+            "weight_storage": dict(sorted(storage.items(), key=lambda item: -item[1])) or None,
             "fixed_bytes": sum(r.size for r in package.payloads),
             "graph_count": len(catalog["captured"]) if catalog else None}
 
@@ -188,8 +219,8 @@ def _memory_map(package: Package, ranks: tuple[Rank, ...]) -> list[dict]:
             if record.kind != "module-global" or record.name in names:
                 location = package.files.locate(record)
                 payloads.append({"name": record.name, "kind": record.kind, "size": record.size,
-                                 "sha256": record.sha256, "file": str(location.path),
-                                 "offset": location.offset})
+                                 "storage": payload_storage(record), "sha256": record.sha256,
+                                 "file": str(location.path), "offset": location.offset})
         result.append({"rank": rank.rank, "payloads": payloads,
                        "kv_bytes_per_token": _kv_bytes_per_token(package.manifest),
                        "kv_pages": "sized at load from free device memory"})
@@ -234,6 +265,14 @@ def _text(value) -> str:
     return str(value)
 
 
+def _storage_text(storage: dict[str, int] | None) -> str:
+    """`F8_E4M3 94%, F32 1%, BF16 5%`: each stored dtype's share of the payload's tensor bytes."""
+    if not storage:
+        return "-"
+    total = sum(storage.values()) or 1
+    return ", ".join(f"{code} {100 * size / total:.0f}%" for code, size in storage.items())
+
+
 def sections(report: dict) -> list[Section]:
     verification, model, capacities = report["verification"], report["model"], report["capacities"]
     mode = verification["mode"]
@@ -254,7 +293,9 @@ def sections(report: dict) -> list[Section]:
                               ("identity", _text(verification["identity"]))]),
         Section("Integrity", [("checked", "; ".join(verification["checked"])),
                               ("not checked", "; ".join(verification["not_checked"]) or "-")]),
-        Section("Capacities", [("dtype", capacities["dtype"]), ("context", _text(capacities["max_model_len"])),
+        Section("Capacities", [("dtype", capacities["dtype"]), ("weights", capacities["weights"]),
+                               ("KV cache dtype", capacities["kv_cache_dtype"]),
+                               ("context", _text(capacities["max_model_len"])),
                                ("concurrency", _text(capacities["max_concurrency"])),
                                ("decode batches", _text(capacities["decode_capacities"])),
                                ("prefill chunk", _text(capacities["prefill_chunk"])),
@@ -265,15 +306,15 @@ def sections(report: dict) -> list[Section]:
         Section("Sampling", [("defaults", _text(report["sampling"]["defaults"])),
                              ("ranges", _text(report["sampling"]["ranges"]))]),
         Section(f"Ranks ({report['deployment']['name']})",
-                table=(["rank", "weights", "fixed", "graphs"],
-                       [[str(r["rank"]), format_bytes(r["weight_bytes"]), format_bytes(r["fixed_bytes"]),
-                         _text(r["graph_count"])] for r in report["ranks"]])),
+                table=(["rank", "weights", "stored as", "fixed", "graphs"],
+                       [[str(r["rank"]), format_bytes(r["weight_bytes"]), _storage_text(r["weight_storage"]),
+                         format_bytes(r["fixed_bytes"]), _text(r["graph_count"])] for r in report["ranks"]])),
     ]
     for rank_map in report.get("memory_map", []):
         result.append(Section(f"Memory map, rank {rank_map['rank']}",
-                              table=(["payload", "kind", "bytes", "offset", "sha256"],
-                                     [[p["name"], p["kind"], f"{p['size']:,}", f"{p['offset']:,}", p["sha256"][:16]]
-                                      for p in rank_map["payloads"]])))
+                              table=(["payload", "kind", "bytes", "storage", "offset", "sha256"],
+                                     [[p["name"], p["kind"], f"{p['size']:,}", _storage_text(p["storage"]),
+                                       f"{p['offset']:,}", p["sha256"][:16]] for p in rank_map["payloads"]])))
     for graphs in report.get("graphs", []):
         catalog = graphs["catalog"]
         result.append(Section(f"Graphs, rank {graphs['rank']}",

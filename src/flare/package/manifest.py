@@ -112,6 +112,10 @@ class Plan(_Record):
     max_model_len: Positive | None
     memory_reserve_bytes: Count
     tensor_parallel: Positive
+    # --online-mxfp8: the decoder projections (checkpoint names, e.g. q_proj) stored as FP8 e4m3 with a
+    # float32 scale per 128x128 block (flare.models.quantization); empty: stored as the checkpoint has them
+    online_fp8: tuple[str, ...] = ()
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"    # --kv-cache-dtype
 
 
 class Sampling(_Record):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from flare.errors import PreparationError
+from flare.models.quantization import Fp8Weights, online_conversion, online_fp8
 from flare.package import safetensors_io as st
 from flare.package.manifest import TensorRecord
 
@@ -39,17 +40,33 @@ def stored_dtype(name: str, dtype: str) -> str:
     return "float32" if name.endswith(SCALE_SUFFIXES) else dtype
 
 
-def serving_bytes(files: dict[str, Path], dtype: str) -> int:
-    """Bytes the checkpoint's tensors occupy once floating-point ones are cast to `dtype` (headers only)."""
+def online_fp8_of(plan) -> Fp8Weights | None:
+    """The online FP8 layout a plan (`flare.package.manifest.Plan`) stores, if any."""
+    return online_fp8(plan.online_fp8) if plan.online_fp8 else None
+
+
+def stored_tensors(name: str, code: str, shape, dtype: str,
+                   online_fp8: Fp8Weights | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
+    """What export writes for one checkpoint tensor, as (name, safetensors dtype, shape): floats cast to
+    the serving dtype (scales to float32), other tensors as stored, and a projection `online_fp8`
+    converts as its e4m3 values and their float32 `weight_scale_inv` (flare.models.quantization)."""
+    conversion = online_fp8 and online_conversion(name, shape, online_fp8)
+    if conversion:
+        return [(name, "F8_E4M3", tuple(shape)), (conversion[0], "F32", conversion[1])]
+    if _CODE_TO_TORCH.get(code) in CAST_DTYPES:
+        code = _TORCH_TO_CODE[stored_dtype(name, dtype)]
+    return [(name, code, tuple(shape))]
+
+
+def serving_bytes(files: dict[str, Path], dtype: str, online_fp8: Fp8Weights | None = None) -> int:
+    """Bytes the checkpoint's tensors occupy as export stores them (`stored_tensors`; headers only)."""
     total = 0
     for path in sorted(set(files.values())):
         with open(path, "rb") as handle:
             for entry in st.read_header(handle, what=str(path)).tensors:
-                if entry.name not in files:
-                    continue
-                count = (entry.end - entry.start) // st.DTYPE_SIZES[entry.dtype]
-                cast = entry.dtype in ("F16", "BF16", "F32", "F64")
-                total += count * (DTYPE_BYTES[stored_dtype(entry.name, dtype)] if cast else st.DTYPE_SIZES[entry.dtype])
+                if entry.name in files:
+                    total += sum(st.DTYPE_SIZES[code] * math.prod(shape) for _, code, shape
+                                 in stored_tensors(entry.name, entry.dtype, entry.shape, dtype, online_fp8))
     return total
 
 
@@ -95,7 +112,8 @@ def group_by_payload(names) -> dict[str, list[str]]:
     return {payload: groups[payload] for payload in order}
 
 
-def planned_tensors(names: list[str], files: dict[str, Path], dtype: str) -> tuple[TensorRecord, ...]:
+def planned_tensors(names: list[str], files: dict[str, Path], dtype: str,
+                    online_fp8: Fp8Weights | None = None) -> tuple[TensorRecord, ...]:
     """The tensor list export writes for the payload of these checkpoint tensors (names, stored dtypes,
     shapes, offsets), from the checkpoint's headers alone: what `read_checkpoint_group` would lay out."""
     entries: dict[str, st.TensorEntry] = {}
@@ -105,16 +123,17 @@ def planned_tensors(names: list[str], files: dict[str, Path], dtype: str) -> tup
     records, offset = [], 0
     for name in names:
         entry = entries[name]
-        code = _TORCH_TO_CODE[stored_dtype(name, dtype)] if _CODE_TO_TORCH.get(entry.dtype) in CAST_DTYPES \
-            else entry.dtype
-        size = st.DTYPE_SIZES[code] * math.prod(entry.shape)
-        records.append(TensorRecord(name, code, entry.shape, (offset, offset + size)))
-        offset += size
+        for stored_name, code, shape in stored_tensors(name, entry.dtype, entry.shape, dtype, online_fp8):
+            size = st.DTYPE_SIZES[code] * math.prod(shape)
+            records.append(TensorRecord(stored_name, code, shape, (offset, offset + size)))
+            offset += size
     return tuple(records)
 
 
-def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str) -> list[st.TensorBytes]:
-    """Read one payload's tensors from the checkpoint, 16/32/64-bit floats cast to the serving dtype."""
+def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str,
+                          online_fp8: Fp8Weights | None = None) -> list[st.TensorBytes]:
+    """Read one payload's tensors from the checkpoint as `stored_tensors` says: 16/32/64-bit floats cast to
+    the serving dtype, projections `online_fp8` converts quantized to e4m3 blocks."""
     import torch
     from safetensors import safe_open
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -124,12 +143,21 @@ def read_checkpoint_group(names: list[str], files: dict[str, Path], dtype: str) 
     for path, file_names in by_file.items():
         with safe_open(str(path), framework="pt") as handle:
             for name in file_names:
-                tensor = handle.get_tensor(name)
-                target = getattr(torch, stored_dtype(name, dtype))
-                if str(tensor.dtype).removeprefix("torch.") in CAST_DTYPES and tensor.dtype != target:
-                    tensor = tensor.to(target)      # quantized (float8) and integer tensors keep their bytes
-                tensors[name] = tensor
-    return [tensor_bytes(name, tensors[name]) for name in names]
+                tensors[name] = handle.get_tensor(name)
+    stored = []
+    for name in names:
+        tensor = tensors.pop(name)
+        conversion = online_fp8 and online_conversion(name, tuple(tensor.shape), online_fp8)
+        if conversion:
+            from flare.kernels.fp8_reference import quantize_blocks
+            quantized, scale = quantize_blocks(tensor, online_fp8.block)
+            stored += [tensor_bytes(name, quantized), tensor_bytes(conversion[0], scale)]
+            continue
+        target = getattr(torch, stored_dtype(name, dtype))
+        if str(tensor.dtype).removeprefix("torch.") in CAST_DTYPES and tensor.dtype != target:
+            tensor = tensor.to(target)      # quantized (float8) and integer tensors keep their bytes
+        stored.append(tensor_bytes(name, tensor))
+    return stored
 
 
 def tensor_bytes(name: str, tensor) -> st.TensorBytes:

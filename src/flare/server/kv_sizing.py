@@ -39,7 +39,8 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
                                                                              model.max_model_len),
                        prefix_cache_floor=0)
     geometry = KVGeometry(page_size=model.page_size,
-                          bytes_per_token=kv_bytes_per_token(model.hf_config, _DTYPE_BYTES.get(model.dtype, 4)),
+                          bytes_per_token=kv_bytes_per_token(model.hf_config, _DTYPE_BYTES.get(model.dtype, 4),
+                                                             kv_cache_dtype=model.kv_cache_dtype),
                           max_context=model.max_model_len, max_concurrency=concurrency)
     if device.host and limit_mode == "memory":
         limit_mode = "concurrency"

@@ -165,8 +165,8 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
     return [
         f"Serving {names} (model {model.canonical_id}) at {url}/v1",
         f"  footprint: {gib(model.weight_bytes)} weights + {gib(pool.bytes)} KV cache on {device}",
-        f"  KV cache: {pool.tokens:,} tokens allocated ({pool.pages:,} pages of {pool.page_size}); "
-        f"limited by {limit}",
+        f"  KV cache: {pool.tokens:,} tokens allocated ({pool.pages:,} pages of {pool.page_size}"
+        + ("; FP8 e4m3 with per-token scales" if model.kv_cache_dtype == "fp8" else "") + f"); limited by {limit}",
         *floor,
         f"  concurrency {engine_config.max_concurrency}, context {engine_config.max_model_len:,} tokens, "
         f"authentication {'on' if settings.api_key else 'off'}",
@@ -293,7 +293,7 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         weight_bytes=weight_bytes, iter_weights=package.iter_weights,
         sampling=SamplingPolicy(manifest.sampling.defaults, manifest.sampling.ranges),
         memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
-        decode_capacities=plan.decode_capacities)
+        decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype)
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

@@ -39,7 +39,8 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
         # Putting the compiled kernels into the local caches imports the compiler (seconds): done meanwhile.
         compiled_note = background.submit(_load_compiled_artifacts, package) if on_cuda else None
         report(WeightsTotal(sum(r.size for r in package.weight_payloads())))
-        cfg = ModelConfig.from_hf_config(package.hf_config)
+        cfg = ModelConfig.from_hf_config(package.hf_config, online_fp8=package.plan.online_fp8,
+                                         kv_cache_dtype=package.plan.kv_cache_dtype)
         started = time.perf_counter()
         model = load_model(cfg, package.iter_weights(pinned=on_cuda), getattr(torch, dtype), device,
                            attention_backend(device, cfg.head_dim), lambda count: report(WeightsRead(count)))

@@ -6,6 +6,8 @@ from pathlib import Path
 
 
 def configure(parser):
+    from flare.models.quantization import KV_CACHE_DTYPES, KV_CACHE_HELP, ONLINE_FP8_HELP
+
     parser.add_argument("model", nargs="?", metavar="MODEL",
                         help="recipe alias, Hugging Face repository id (org/name[@revision]) or checkpoint "
                              "directory (default: defaults.model)")
@@ -18,6 +20,12 @@ def configure(parser):
                          help="export only when exact weight payloads are already cached")
     weights.add_argument("--reuse-weights", action="store_true",
                          help="reuse the cached default version's weight payloads without reading weights")
+    precision = parser.add_argument_group("capacity and compression")
+    precision.add_argument("--online-mxfp8", action="store_true",
+                           help=f"{ONLINE_FP8_HELP}. Recipes that name no such projections reject it. Command line "
+                                "only (default: checkpoint precision)")
+    precision.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="{auto,fp8}",
+                           help=f"{KV_CACHE_HELP}. Command line only (default: auto)")
     parser.add_argument("--publisher-key", action="append", type=Path, default=[], metavar="PATH",
                         help="public publisher profile authenticating the cached weight source")
     parser.add_argument("--repo-id", metavar="NAMESPACE/REPOSITORY",
@@ -50,7 +58,8 @@ def run(args) -> int:
         max_concurrency=args.max_concurrency, prefill_chunk=args.prefill_chunk_size, gpus=args.gpus,
         weight_mode="no-weights" if args.no_weights else "reuse-weights" if args.reuse_weights else "normal",
         repo_id=args.repo_id, official_source=args.official_source, publisher_keys=tuple(args.publisher_key),
-        config_path=args.config, compile=not args.no_compile, compile_workers=args.compile_workers)
+        config_path=args.config, compile=not args.no_compile, compile_workers=args.compile_workers,
+        online_fp8=args.online_mxfp8, kv_cache_dtype=args.kv_cache_dtype)
     check_flags(options)                                   # before MODEL is resolved or downloaded
     source, recipe = _resolve(args)
     entry = export_model(source, recipe, options, PhaseProgress(verbose=args.verbose))

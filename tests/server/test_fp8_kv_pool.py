@@ -1,0 +1,34 @@
+"""The serving KV pool counts the bytes of the KV cache dtype the package was prepared with: on the same
+free GPU memory an FP8 cache (e4m3 plus a float32 scale per token and KV head) holds about twice the
+tokens of a bfloat16 one, and the pool's bytes are its tokens times the FP8 bytes per token."""
+
+from __future__ import annotations
+
+from flare import memory
+from flare.recipes import registry
+from flare.recipes.base import kv_bytes_per_token
+from flare.server import kv_sizing
+from flare.server.kv_sizing import serving_kv_pool
+from flare.server.served_model import ServedModel
+
+GiB = 1024 ** 3
+
+
+def llama_8b(kv_cache_dtype: str) -> ServedModel:
+    _, checkpoint = registry.find_alias("llama-3.1-8b-instruct")
+    return ServedModel(canonical_id="Llama-3.1-8B-Instruct", served_names=("llama",), hf_config=checkpoint.config,
+                       frontend_dir=None, dtype="bfloat16", page_size=16, prefill_chunk=2048, prepared_concurrency=64,
+                       max_model_len=131072, weight_bytes=9 * GiB, iter_weights=lambda: iter(()),
+                       kv_cache_dtype=kv_cache_dtype)
+
+
+def test_an_fp8_kv_cache_holds_about_twice_the_tokens_in_the_same_memory(monkeypatch):
+    gpu = [memory.DeviceMemory(0, "test GPU", free=80 * GiB, total=141 * GiB)]
+    monkeypatch.setattr(kv_sizing, "read_device_memory", lambda: gpu)
+    dense = serving_kv_pool(llama_8b("auto"), 64, "memory", None, 0)
+    fp8 = serving_kv_pool(llama_8b("fp8"), 64, "memory", None, 0)
+    config = llama_8b("fp8").hf_config
+    assert dense.bytes == dense.tokens * kv_bytes_per_token(config, 2)
+    assert fp8.bytes == fp8.tokens * kv_bytes_per_token(config, 2, kv_cache_dtype="fp8")
+    assert kv_bytes_per_token(config, 2, kv_cache_dtype="fp8") == 2 * 32 * 8 * (128 + 4)   # K and V, 32 layers
+    assert 1.9 < fp8.tokens / dense.tokens < 2.0            # 2 x 128 bytes per head against 128 + 4
