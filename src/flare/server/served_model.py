@@ -28,3 +28,4 @@ class ServedModel:
     memory_reserve_bytes: int = 0
     package_path: Path | None = None       # set for packages: the engine runs in its own process
     decode_capacities: tuple[int, ...] = ()  # the plan's decode graph sizes; empty: the standard catalog
+    step_costs: Any = None                 # flare.engine.step_cost.StepCosts measured at export; None: none
