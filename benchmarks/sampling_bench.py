@@ -7,8 +7,6 @@ times, in milliseconds per call:
   kernel-eager   DeviceSampler.sample called from Python (18 kernel launches)
   sort-graph     the sort-based torch sampling (penalties from dense counts, temperature, full sort,
                  top-k, cumulative top-p, softmax, exponential race) on device tensors, in a CUDA graph
-  sampler-eager  engine/sampler.py's `Sampler` as the runner calls it today (per-step host-built
-                 tensors, full sort)
 Cases: default (temperature 0.6, top-p 0.9), topk20-topp0.95 (temperature 0.6), greedy, penalties
 (default + repetition 1.1, presence 0.5, frequency 0.3, over a 1,000-token prompt and 200 outputs).
 CUDA events around each call or replay, the median of --reps after warm-up; logits are
@@ -37,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from flare.engine.request import EngineRequest, Request  # noqa: E402
-from flare.engine.sampler import DeviceSampler, Sampler  # noqa: E402
+from flare.engine.sampler import DeviceSampler  # noqa: E402
 from flare.engine.sampling_params import SamplingParams  # noqa: E402
 
 CASES = {
@@ -97,8 +94,8 @@ def graphed(fn, warmup: int = 3):
 
 
 class SortPath:
-    """The sort-based sampling on device tensors only (capturable): what engine/sampler.py computes,
-    without its per-step host work, with dense penalty counts like the device sampler's tables."""
+    """The sort-based sampling on device tensors only (capturable): what the engine's earlier per-step
+    sampler computed, without its host work, with dense penalty counts like the device sampler's tables."""
 
     def __init__(self, params: list[SamplingParams], vocab: int) -> None:
         cuda = dict(device="cuda")
@@ -135,18 +132,6 @@ class SortPath:
         probs = torch.empty_like(scaled).scatter_(-1, order, ordered).softmax(dim=-1)
         drawn = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
         return torch.where(self.greedy, greedy, drawn)
-
-
-def host_sampler_call(params: list[SamplingParams], vocab: int):
-    sampler = Sampler("cuda", seed=0)
-    requests = []
-    for row, p in enumerate(params):
-        prompt, output = history(vocab, row)
-        request = Request(EngineRequest(f"r{row}", tuple(prompt), p), arrival=0)
-        for token in output:
-            request.append_output_token(token)
-        requests.append(request)
-    return lambda logits: sampler(logits, requests)
 
 
 def check(vocabs: list[int], scale: float) -> list[dict]:
@@ -222,9 +207,7 @@ def bench(vocabs, batches, reps, warmup, scale, sweep) -> list[dict]:
                     del sampler
                 sort_path = SortPath(params, vocab)
                 timings["sort-graph"] = time_calls(graphed(lambda: sort_path(logits)), reps, warmup)
-                host_call = host_sampler_call(params, vocab)
-                timings["sampler-eager"] = time_calls(lambda: host_call(logits), max(reps // 4, 10), 3)
-                del sort_path, host_call
+                del sort_path
                 for method, samples in timings.items():
                     results.append(dict(vocab=vocab, batch=batch, case=case, method=method,
                                         median_ms=statistics.median(samples), min_ms=min(samples),

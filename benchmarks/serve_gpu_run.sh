@@ -8,7 +8,16 @@
 # SHAPE: llama-8b or qwen3-8b (shared/bench/make_random_checkpoint.py, copied to carry/bench), or
 # SHAPE:LAYERS for the same shape cut to LAYERS layers (a quick check of the path).
 # PHASES (default: serve1 serve16 serve64 serve256 long throughput restart):
-#   serveN      concurrency N, 1000 tokens in / 256 out (IN_LEN, OUT_LEN), 4N prompts (at least 8)
+#   serveN      concurrency N, 1000 tokens in / 256 out (IN_LEN, OUT_LEN), 4N prompts (at least 8), no
+#               sampling fields sent: the package's sampling defaults (as `vllm bench serve` sends none)
+#   sampledN    the same with explicit sampling, SAMPLING (default: --temperature 0.6 --top-p 0.9)
+#   greedyN     the same at --temperature 0
+#   poisson     Poisson arrivals at each of RATES (default 4,8,12,16 requests/s), ARRIVAL_S (default 30)
+#               seconds of arrivals per rate, no concurrency limit, explicit SAMPLING, SLO goodput for
+#               GOODPUT (default: ttft:1000 tpot:50)
+#   poisson-defaults  the same with the package's sampling defaults
+#   bound:MS    restart the server with --scheduler-max-step-ms MS (the cadence bound; later phases use it)
+#   policy:NAME restart the server with --scheduler-policy NAME (balanced, throughput; bound dropped)
 #   long        8,000-token prompts, 1 token out: time to first token
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
@@ -90,13 +99,20 @@ ENTRY=$(tail -1 "$WORK/entry")
 echo "export ${export_s}s -> $ENTRY"
 FINGERPRINT=$("$PY" -c 'import sys; from flare.package.signing import main; sys.exit(main(["--development-fingerprint"]))')
 
+# The step costs export measured (the balanced policy's table), for the record.
+"$PY" -c 'import json, sys, msgspec
+from flare.package.reader import open_unverified
+print(json.dumps(msgspec.to_builtins(open_unverified(sys.argv[1]).plan.step_costs)))' "$ENTRY" \
+  > "$OUT/step_costs.json" 2>&1 && head -c 600 "$OUT/step_costs.json"; echo
+
 SERVER_PID=
+SERVER_FLAGS=()      # scheduling flags of the running server (bound:MS, policy:NAME)
 start_server() {   # $1: log name, then extra `flare run` flags; sets startup_s
   local started name=$1; shift
   started=$(now)
   "$PY" -c 'import sys; from flare.cli.flare import main; sys.exit(main())' run "$ENTRY" --port "$PORT" \
-    --dangerously-approve-key "$FINGERPRINT" --dangerously-accept-publisher local-development "$@" \
-    > "$OUT/$name.log" 2>&1 &
+    --dangerously-approve-key "$FINGERPRINT" --dangerously-accept-publisher local-development \
+    "${SERVER_FLAGS[@]}" "$@" > "$OUT/$name.log" 2>&1 &
   SERVER_PID=$!
   startup_s=
   for _ in $(seq 1 1200); do
@@ -110,6 +126,8 @@ start_server() {   # $1: log name, then extra `flare run` flags; sets startup_s
   done
   grep -v '^\s*$' "$OUT/$name.log" | head -30
   echo "startup to first answer: ${startup_s}s"
+  curl -sf "http://127.0.0.1:$PORT/v1/engine/stats" -o "$OUT/$name.stats.json" && \
+    echo "engine stats: $(cat "$OUT/$name.stats.json")"
 }
 stop_server() {
   [ -n "$SERVER_PID" ] && kill -TERM $SERVER_PID 2>/dev/null && wait $SERVER_PID 2>/dev/null
@@ -133,10 +151,35 @@ bench() {   # name, then serve_bench arguments
             if level.get("errors")]' "$OUT/$name.json" 2>/dev/null | cut -c1-600
 }
 restart_s=
+SAMPLING=${SAMPLING:---temperature 0.6 --top-p 0.9}
+RATES=${RATES:-4,8,12,16}
+ARRIVAL_S=${ARRIVAL_S:-30}
+GOODPUT=${GOODPUT:-ttft:1000 tpot:50}
+poisson() {   # name, then extra serve_bench arguments (sampling)
+  local name=$1; shift
+  local rates; rates=$(echo "$RATES" | tr ',' ' ' | wc -w)
+  BENCH_TIMEOUT=$(( rates * (${ARRIVAL_S%.*} + 90) )) bench "$name" --input-len "${IN_LEN:-1000}" \
+    --output-len "${OUT_LEN:-256}" --request-rate "$RATES" --arrival-seconds "$ARRIVAL_S" --goodput $GOODPUT "$@"
+}
+restart_with() {   # a phase's name, then the scheduling flags the restarted server keeps
+  local name=$1; shift
+  SERVER_FLAGS=("$@")
+  stop_server; log "flare run ${SERVER_FLAGS[*]}"
+  start_server "$name"
+}
 for phase in $PHASES; do
   case $phase in
     serve*) n=${phase#serve}
             bench "$phase" --input-len "${IN_LEN:-1000}" --output-len "${OUT_LEN:-256}" --concurrency "$n" ;;
+    sampled*) n=${phase#sampled}
+            bench "$phase" --input-len "${IN_LEN:-1000}" --output-len "${OUT_LEN:-256}" --concurrency "$n" $SAMPLING ;;
+    greedy*) n=${phase#greedy}
+            bench "$phase" --input-len "${IN_LEN:-1000}" --output-len "${OUT_LEN:-256}" --concurrency "$n" \
+              --temperature 0 ;;
+    poisson) poisson poisson $SAMPLING ;;
+    poisson-defaults) poisson poisson-defaults ;;
+    bound:*) restart_with "bound-${phase#bound:}" --scheduler-max-step-ms "${phase#bound:}" ;;
+    policy:*) restart_with "policy-${phase#policy:}" --scheduler-policy "${phase#policy:}" ;;
     long) bench long --input-len 8000 --output-len 1 --concurrency 1 --min-prompts 6 --warmup-requests 1 ;;
     throughput) bench throughput --input-len 1000 --output-len 1000 --concurrency 256 --prompts-per-concurrency 1 \
                   --min-prompts 256 --warmup-requests 0 ;;

@@ -227,13 +227,65 @@ def test_serving_benchmark_measures_a_streaming_server(tmp_path, monkeypatch):
                                  "--output-len", "5", "--concurrency", "1,3", "--min-prompts", "3",
                                  "--prompts-per-concurrency", "1", "--warmup-requests", "0",
                                  "--shared-prefix-len", "4", "--output", str(output)])
+        closed_loop = list(seen)
+        seen.clear()
+        open_loop = tmp_path / "poisson.json"
+        open_code = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--input-len", "8",
+                                      "--output-len", "3", "--request-rate", "40,80", "--num-prompts", "6",
+                                      "--warmup-requests", "0", "--goodput", "ttft:60000", "tpot:60000",
+                                      "--temperature", "0.6", "--top-p", "0.9", "--output", str(open_loop)])
+        strict = serve_bench.summarize(serve_bench.Level(1, None, 5.0), [serve_bench.RequestResult(
+            ok=True, started=0.0, ttft=0.2, latency=0.5, output_tokens=4)], 1.0, 4, {"ttft": 100.0})
     finally:
         server.should_exit = True
         thread.join(timeout=5)
-    assert code == 0
+    assert code == 0 and open_code == 0
+    # No sampling flags: no sampling fields, each server's defaults; given ones reach every request.
+    assert all("temperature" not in body and "top_p" not in body for body in closed_loop)
+    assert all(body["temperature"] == 0.6 and body["top_p"] == 0.9 for body in seen) and len(seen) == 12
+    poisson = json.loads(open_loop.read_text())
+    assert poisson["arrivals"] == "Poisson" and poisson["sampling"] == {"temperature": 0.6, "top_p": 0.9}
+    assert [level["request_rate"] for level in poisson["levels"]] == [40.0, 80.0]
+    assert all(level["goodput"]["good_requests"] == 6 and level["goodput"]["requests_per_s"] > 0
+               for level in poisson["levels"])
+    assert strict["goodput"] == {"slo_ms": {"ttft": 100.0}, "good_requests": 0, "requests_per_s": 0.0}
     levels = json.loads(output.read_text())["levels"]
     assert [level["concurrency"] for level in levels] == [1, 3]
     assert all(level["failed"] == 0 and level["output_tokens"] == 5 * level["requests"] for level in levels)
     assert all(level["ttft_ms"]["p50"] > 0 and level["itl_ms"]["p99"] >= level["itl_ms"]["p50"] for level in levels)
-    assert all(body["ignore_eos"] and body["stream"] and len(body["prompt"]) == 12 for body in seen)
-    assert len({tuple(body["prompt"][:4]) for body in seen}) == 1          # the shared prefix
+    assert all(body["ignore_eos"] and body["stream"] and len(body["prompt"]) == 12 for body in closed_loop)
+    assert len({tuple(body["prompt"][:4]) for body in closed_loop}) == 1          # the shared prefix
+
+
+def test_serving_benchmark_arrivals_and_objectives():
+    import importlib.util
+    import math
+    import statistics
+    import sys
+
+    spec = importlib.util.spec_from_file_location("serve_bench_units", REPO / "benchmarks" / "serve_bench.py")
+    serve_bench = importlib.util.module_from_spec(spec)
+    sys.modules["serve_bench_units"] = serve_bench
+    try:
+        spec.loader.exec_module(serve_bench)
+        Level = serve_bench.Level
+        assert serve_bench.arrival_offsets(Level(5, 5), seed=0) == [0.0] * 5
+        offsets = serve_bench.arrival_offsets(Level(4000, None, 20.0), seed=1)
+        gaps = [b - a for a, b in zip([0.0] + offsets, offsets)]
+        assert offsets == sorted(offsets) and offsets[-1] == pytest.approx(4000 / 20.0)
+        assert statistics.fmean(gaps) == pytest.approx(1 / 20.0, rel=1e-6)
+        # exponential gaps: the standard deviation equals the mean; burstiness 4 spreads them half as much
+        assert statistics.pstdev(gaps) == pytest.approx(1 / 20.0, rel=0.1)
+        even = serve_bench.arrival_offsets(Level(4000, None, 20.0, burstiness=4.0), seed=1)
+        even_gaps = [b - a for a, b in zip([0.0] + even, even)]
+        assert statistics.pstdev(even_gaps) == pytest.approx(1 / 20.0 / 2, rel=0.1)
+        assert serve_bench.parse_goodput(["ttft:1000", "tpot:50"]) == {"ttft": 1000.0, "tpot": 50.0}
+        for bad in ("itl:5", "ttft", "ttft:-1", "ttft:soon", "tpot:nan"):
+            with pytest.raises(Exception, match="--goodput"):
+                serve_bench.parse_goodput([bad])
+        one_token = serve_bench.RequestResult(ok=True, started=0.0, ttft=0.1, latency=0.1, output_tokens=1)
+        assert serve_bench.is_good(one_token, {"tpot": 0.0, "ttft": 100.0})     # its TPOT counts as 0
+        assert not serve_bench.is_good(serve_bench.RequestResult(ok=False, started=0.0), {})
+        assert not math.isnan(serve_bench.Level(1, 1).request_rate) and math.isinf(serve_bench.Level(1, 1).request_rate)
+    finally:
+        sys.modules.pop("serve_bench_units", None)

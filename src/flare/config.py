@@ -68,6 +68,13 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """[scheduler] (our extension of the specification): the balanced policy's cadence bound."""
+
+    max_step_ms: float | None = None         # None: twice a full decode batch's measured step
+
+
+@dataclass(frozen=True)
 class PathsConfig:
     # Unlike the other sections, paths hold the default when the file sets none (`default_paths`).
     hub_cache: Path
@@ -107,6 +114,7 @@ class Config:
     defaults: DefaultsConfig = field(default_factory=DefaultsConfig)
     preparation: PreparationConfig = field(default_factory=PreparationConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     paths: PathsConfig = field(default_factory=default_paths)
     publishing: PublishingConfig | None = None
     hub: HubConfig = field(default_factory=HubConfig)
@@ -312,6 +320,12 @@ def _prefill_chunk(value, key):
     return value
 
 
+def _milliseconds(value, key):
+    from flare.engine.policy import check_max_step_ms        # no torch: the policy module is plain Python
+
+    return check_max_step_ms(value, key)
+
+
 def _memory_limit(value, key):
     from flare.memory import parse_memory_limit
 
@@ -332,6 +346,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable]]] = {
                                         "to race, each uses its heuristic configuration"),
         "collective_tuning": _Unsupported("tensor parallelism, whose collectives it tunes, is not implemented")}),
     "memory": (MemoryConfig, {"reserve": _size}),
+    "scheduler": (SchedulerConfig, {"max_step_ms": _milliseconds}),
     "prefix_cache": (None, {"memory": _HOST_RETENTION, "disk_limit": _HOST_RETENTION,
                             "disk_transport": _HOST_RETENTION,
                             "drain_on_shutdown": _Unsupported(_HOST_RETENTION.reason, off="off")}),
@@ -362,6 +377,7 @@ API_KEY = Setting("--api-key-file", "server.api_key", _string)    # the flag giv
 MEMORY_RESERVE = Setting(None, "memory.reserve", _size)           # what export records as the package's
 SERVING_MEMORY = Setting("--memory-limit", "memory.reserve", _memory_limit)    # replaces the reserve
 SERVED_MODEL_NAME = Setting("--served-model-name", None, _served_names)   # replaces the package's aliases
+MAX_STEP_MS = Setting("--scheduler-max-step-ms", "scheduler.max_step_ms", _milliseconds)   # balanced's bound
 PACKAGE_CACHE = Setting("--model-cache", "paths.package_cache", _path)
 TOKEN_FILE = Setting("--token-file", "hub.token_file", _path)
 

@@ -1,8 +1,9 @@
-"""The export pipeline: resolve, select device, load weights, tune, compile, allocate KV, capture, export.
+"""The export pipeline: resolve, select device, load weights, tune, compile, allocate KV, capture, measure
+steps, export.
 
 `export_model(source, recipe, options)` is what `ignition export` runs once the model is resolved
 and fetched (`RecipeFacts.from_resolved`); tests call it directly with a stand-in recipe. On a CPU
-the tune, compile and capture phases are recorded as skipped with the reason, and the package
+the tune, compile, capture and measure phases are recorded as skipped with the reason, and the package
 serves the same way.
 """
 
@@ -20,7 +21,7 @@ from flare.config import (COMPILE_WORKERS, MAX_CONCURRENCY, MEMORY_RESERVE, PREF
 from flare.errors import UsageError
 from flare.memory import parse_gpus
 from flare.package.export import ExportHooks, ExportSpec, export_entry
-from flare.package.manifest import GraphCatalog, License, Plan, Preparation, Sampling
+from flare.package.manifest import GraphCatalog, License, Plan, Preparation, Sampling, StepCostTable
 from flare.package.signing import publishing_identity
 from flare.package.store import ModelCache, model_key_for
 from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
@@ -157,6 +158,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     workers = resolve(COMPILE_WORKERS, options.compile_workers, settings.config).value    # None: automatic
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
+    if prepared is not None and prepared.step_costs is not None:
+        plan = msgspec.structs.replace(plan, step_costs=step_cost_table(prepared.step_costs))
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
     with progress.phase("Export package") as phase:
         counts = {"written": 0, "reused": 0, "bytes": 0}
@@ -224,14 +227,17 @@ def _load_through_model(checkpoint_dir: Path, plan: Plan) -> None:
 
 def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: PhaseProgress,
                   compile_workers: int | None = None):
-    """The tune, compile, allocate and capture phases: on a GPU, a warm-up of the compiled model whose
-    compiled kernels go into the package (flare.engine.compile_cache); on a CPU, nothing to prepare."""
+    """The tune, compile, allocate, capture and measure phases: on a GPU, a warm-up of the compiled model
+    whose compiled kernels go into the package (flare.engine.compile_cache), then its steps timed for the
+    plan's step costs; on a CPU, nothing to prepare."""
     with progress.phase("Tune kernels") as phase:
         phase.skip("CPU device: nothing to tune" if device == "cpu" else "no tunable kernels in this version")
     if device == "cpu":
         for name, reason in (("Compile forward", "CPU device: forwards run eagerly"),
                              ("Allocate KV cache", "pages are sized from free device memory when the package is served"),
-                             ("Capture graphs", "CUDA graphs need a GPU")):
+                             ("Capture graphs", "CUDA graphs need a GPU"),
+                             ("Measure steps", "CPU device: no step costs recorded; balanced serving carries one "
+                                               "prefill chunk beside decoding requests")):
             with progress.phase(name) as phase:
                 phase.skip(reason)
         return None
@@ -250,7 +256,23 @@ def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: Phase
         sizes = prepared.captured_sizes
         phase.done(f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}); "
                    "captured again when serving starts" if sizes else "no decode graphs on this backend")
+    with progress.phase("Measure steps") as phase:
+        costs = prepared.step_costs
+        if costs is None:
+            phase.skip("no step costs measured; balanced serving carries one prefill chunk beside decoding requests")
+            return prepared
+        phase.done(f"{len(costs.decode_batches) * len(costs.prompt_tokens)} step shapes timed in "
+                   f"{prepared.step_cost_seconds:.1f} s on {costs.device}: decode batches "
+                   f"{costs.decode_batches[0]}-{costs.decode_batches[-1]} beside 0-{costs.prompt_tokens[-1]:,} "
+                   f"prompt tokens, {costs.milliseconds[0][0]:.1f}-{costs.milliseconds[-1][-1]:.1f} ms")
     return prepared
+
+
+def step_cost_table(costs) -> StepCostTable:
+    """The plan's record of the step costs measured at export (`flare.engine.step_cost.StepCosts`)."""
+    return StepCostTable(device=costs.device, decode_context=costs.decode_context,
+                         decode_batches=costs.decode_batches, prompt_tokens=costs.prompt_tokens,
+                         milliseconds=costs.milliseconds)
 
 
 def _graph_catalog(plan: Plan) -> GraphCatalog:

@@ -244,3 +244,11 @@ def test_sample_reads_nothing_back_from_the_device(monkeypatch):
         launches.clear()
     assert runs[0] == runs[1]
     assert len(runs[0]) == 18
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
+                                          ("max_tokens", 0), ("stop", ("",)), ("logprobs", 21),
+                                          ("presence_penalty", 2.5), ("repetition_penalty", 0.0)])
+def test_out_of_range_sampling_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidSamplingParams, match=field.split("_")[0]):
+        SamplingParams(**{field: value})

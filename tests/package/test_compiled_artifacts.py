@@ -10,11 +10,13 @@ import pytest
 from flare import prepare
 from flare.engine import compile_cache
 from flare.engine.compile_cache import CompiledArtifacts, PreparedCode
+from flare.engine.step_cost import StepCosts
 from flare.package.manifest import GraphCatalog, Plan
 from flare.package.verify import IntegrityError
 from flare.package.reader import open_package, open_unverified
 
 KEY = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDIA H200", "capability": "9.0"}
+STEP_COSTS = StepCosts("NVIDIA H200", 1024, (1, 4), (0, 64, 128), ((4.0, 4.5, 5.0), (4.2, 4.8, 5.5)))
 
 
 @pytest.fixture
@@ -23,7 +25,7 @@ def gpu_prepared(monkeypatch):
     artifacts = CompiledArtifacts(bytes(range(256)) * 64, KEY, b"packed kernels" * 10)
 
     def prepared(checkpoint_dir, plan, device, progress, compile_workers=None):
-        return PreparedCode(artifacts, (1, 2, 4), 1.5)
+        return PreparedCode(artifacts, (1, 2, 4), 1.5, STEP_COSTS, 2.5)
 
     monkeypatch.setattr(prepare, "_prepare_code", prepared)
     return artifacts
@@ -33,11 +35,14 @@ def test_export_stores_the_compiled_artifacts_and_catalog(export, approved, gpu_
     package = open_package(export(), approved)
     assert CompiledArtifacts(*package.compiled_artifacts()) == gpu_prepared
     assert [catalog.captured for catalog in package.graph_catalogs.values()] == [(1, 2, 4)]
+    from flare.server.cadence import step_costs_of
+
+    assert step_costs_of(package.plan) == STEP_COSTS                 # the measured steps, in the signed plan
 
 
 def test_a_cpu_export_carries_no_compiled_artifacts(export, approved):
     package = open_package(export(), approved)
-    assert package.compiled_artifacts() is None
+    assert package.compiled_artifacts() is None and package.plan.step_costs is None
     # The catalog is the plan's: a GPU that serves the package captures exactly these sizes.
     assert list(package.graph_catalogs.values())[0].captured == package.plan.decode_capacities == (1, 2, 4)
 
@@ -78,7 +83,7 @@ def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatc
 
     def prepared_code(directory, plan, device, compile_workers):
         calls.append(compile_workers)
-        return PreparedCode(gpu_prepared, (1, 2, 4, 8), 12.0)
+        return PreparedCode(gpu_prepared, (1, 2, 4, 8), 12.0, STEP_COSTS, 2.5)
 
     monkeypatch.setattr(compile_cache, "prepare_compiled", prepared_code)
     from flare.ui.progress import PhaseProgress
@@ -87,6 +92,8 @@ def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatc
     text = stream.getvalue()
     assert prepared.captured_sizes == (1, 2, 4, 8) and calls == [3]
     assert "warmed up in 12.0 s" in text and "4 decode batch sizes (1, 2, 4, 8)" in text
+    assert ("Measure steps. [ OK ] 6 step shapes timed in 2.5 s on NVIDIA H200: decode batches 1-4 beside 0-128 "
+            "prompt tokens, 4.0-5.5 ms") in text
     stream = io.StringIO()
     prepare._prepare_code(None, _plan(compile=False), "cuda", PhaseProgress(stream=stream, styled=False))
     assert "Compile forward. [SKIP] --no-compile: eager layers, warmed up in 12.0 s" in stream.getvalue()
@@ -235,7 +242,16 @@ def test_a_gpu_export_carries_compiled_kernels_that_serving_loads(tmp_path, cach
     entry = export_model(CheckpointSource(checkpoint), recipe, ExportOptions(cache_root=cache_root),
                          PhaseProgress(stream=stream, styled=False))
     assert "decoder layers compiled and warmed up" in stream.getvalue()
-    data, key, kernels = open_package(entry, approved).compiled_artifacts()
+    package = open_package(entry, approved)
+    import torch
+
+    from flare.engine.step_cost import decode_batch_rows
+
+    costs = package.plan.step_costs                      # steps timed on this GPU, decodes and prompt work
+    assert costs.device == torch.cuda.get_device_name()
+    assert costs.decode_batches == decode_batch_rows(package.plan.max_concurrency)
+    assert costs.prompt_tokens == (0, 64, 128) and all(ms > 0 for row in costs.milliseconds for ms in row)
+    data, key, kernels = package.compiled_artifacts()
     assert data and kernels and key == compile_cache.environment_key()
     note = compile_cache.load_artifacts(CompiledArtifacts(data, key, kernels))
     assert note.startswith("compiled kernels from the package")

@@ -164,8 +164,8 @@ def test_serving_engine_config_carries_the_policy_the_concurrency_and_the_pool_l
     # Room above one chunk is what lets throughput carry more prompt work than balanced.
     assert config.max_num_batched_tokens > config.prefill_chunk
     budget, chunk = config.max_num_batched_tokens, config.prefill_chunk
-    assert policy.prefill_cap(budget, chunk, anyone_decoding=True) > \
-        SchedulerPolicy("balanced").prefill_cap(budget, chunk, anyone_decoding=True)
+    assert policy.prefill_cap(budget, chunk, num_decoding=1) > \
+        SchedulerPolicy("balanced").prefill_cap(budget, chunk, num_decoding=1)
     assert serving_engine_config(model, 8, serving_kv_pool(model, 8, "concurrency", None, 0)).kv_pool_limited_by \
         == "concurrency"
 

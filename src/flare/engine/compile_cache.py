@@ -1,11 +1,12 @@
 """Compiled code carried in the package, so `flare run` does not compile what preparation compiled.
 
 Preparation on a GPU compiles the decoder layers (flare.engine.compile), captures the decode graph
-catalog and runs one warm-up request through the engine, which compiles the prefill shapes too. It
-then saves torch.compile's cache artifacts (Inductor's compiled graphs with their generated Triton
-kernels and autotuning results) into the package. Serving loads them into the local compile caches
-before the layers are compiled, so torch.compile finds every graph cached: it still traces the layer
-(a second or two) but generates and builds no kernels. Graphs themselves hold device addresses and are
+catalog and runs one warm-up request through the engine, which compiles the prefill shapes too, and
+times the engine's steps for the plan (flare.engine.step_cost). It then saves torch.compile's cache
+artifacts (Inductor's compiled graphs with their generated Triton kernels and autotuning results) into
+the package. Serving loads them into the local compile caches before the layers are compiled, so
+torch.compile finds every graph cached: it still traces the layer (a second or two) but generates and
+builds no kernels. Graphs themselves hold device addresses and are
 captured again at every start.
 
 Our own Triton kernels (paged attention) are not torch.compile's: Triton caches them on disk
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from flare.engine.step_cost import StepCosts
     from flare.package.manifest import Plan
 
 KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention", "flare.kernels.flash_prefill",
@@ -171,13 +173,16 @@ class PreparedCode:
     artifacts: CompiledArtifacts | None
     captured_sizes: tuple[int, ...]              # the decode graph catalog the warm-up captured
     seconds: float
+    step_costs: StepCosts | None = None          # steps timed after the warm-up (on a GPU)
+    step_cost_seconds: float = 0.0
 
 
 def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
                      compile_workers: int | None = None) -> PreparedCode:
     """Load the checkpoint onto the GPU, compile it (unless the plan says `compile: False`), capture the
-    plan's decode catalog, run a warm-up request, and keep what was compiled. `compile_workers` bounds
-    Inductor's compiler processes. Frees the GPU memory it used before returning."""
+    plan's decode catalog, run a warm-up request, time the engine's steps (flare.engine.step_cost, on a
+    GPU), and keep what was compiled. `compile_workers` bounds Inductor's compiler processes. Frees the
+    GPU memory it used before returning."""
     import gc
     import time
     from dataclasses import replace
@@ -186,11 +191,12 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
 
     from flare.engine.config import EngineConfig
     from flare.engine.factory import build_core, load_checkpoint_model
+    from flare.engine.step_cost import measurement_model_len
 
     started = time.perf_counter()
     chunk = plan.prefill_chunk
     prompt_tokens = chunk + chunk // 2 + 1               # a full chunk, then a remainder of another size
-    max_model_len = prompt_tokens + 2
+    max_model_len = max(prompt_tokens + 2, measurement_model_len(chunk))
     pages = -(-max_model_len // plan.page_size) + -(-(WARM_UP_SHORT_PROMPT + 2) // plan.page_size)
     config = EngineConfig(max_concurrency=plan.max_concurrency, page_size=plan.page_size,
                           num_pages=pages, prefill_chunk=chunk,
@@ -209,11 +215,17 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     sizes = graphs.sizes if graphs is not None else ()
     warm_up(core, loaded.model_config.vocab_size, prompt_tokens)
     on_cuda = str(device).startswith("cuda")
+    costs, cost_seconds = None, 0.0
     if on_cuda:
+        from flare.engine.step_cost import measure_step_costs
+
+        measured = time.perf_counter()
+        costs = measure_step_costs(core.runner, torch.cuda.get_device_name(torch.device(device)))
+        cost_seconds = time.perf_counter() - measured
         torch.cuda.synchronize()
     artifacts = save_artifacts() if on_cuda else None      # nothing is compiled for a CPU
     del core, graphs, loaded
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
-    return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started)
+    return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started - cost_seconds, costs, cost_seconds)

@@ -59,6 +59,8 @@ class EngineStats:
     prefix_cache_evicted_pages: int = 0     # counter: cached pages reclaimed for new content
     prefix_cache_resident_pages: int = 0    # gauge: pages holding reusable cached content, in use or not
     num_computed_tokens: int = 0            # counter: tokens the model computed (prefill and decode)
+    # setting: the cadence bound `balanced` keeps on steps that carry decodes, in ms (0: none; policy.py)
+    max_step_ms: float = 0.0
     # The page integrity check (`EngineCore.check_integrity`) as of these numbers: "ok", the problem it
     # found, or "unchecked" when these stats were taken without running it.
     page_integrity: str = "unchecked"
@@ -168,6 +170,7 @@ class EngineCore:
             prefix_cache_evicted_pages=self.allocator.num_evicted_pages,
             prefix_cache_resident_pages=self.allocator.num_cached_pages,
             num_computed_tokens=self._num_computed_tokens,
+            max_step_ms=self.config.scheduler_policy.max_step_ms or 0.0,
             page_integrity=self._integrity() if check_integrity else "unchecked")
 
     def _integrity(self) -> str:

@@ -1,15 +1,22 @@
-"""Scheduler policy (spec §3.2): how much prefill a step may carry, and what retiring a request is worth.
+"""Scheduler policy (spec §3.2): how much prefill a step carries, and what retiring a request is worth.
 
 Two policies share one queue discipline (first come, first served; the head of the queue is never
 skipped) and differ only in how much prompt work a step may carry next to the decoding requests:
 
-* `balanced` (the default) keeps output cadence: while any request is decoding, a step carries at
-  most one prefill chunk (`prefill_chunk` tokens) of prompt work, so a long prompt arriving never
-  stretches the gap between two tokens of a running request by more than one chunk. With nobody
-  decoding there is no cadence to keep, and prefill takes the whole step budget.
+* `balanced` (the default) keeps output cadence. With the step costs the package measured at export
+  (`flare.engine.step_cost.StepCosts`) it keeps every step that carries decodes within a cadence bound,
+  `max_step_ms`: beside n decoding requests it carries the most prompt tokens whose measured step
+  still fits the bound, and never fewer than `min(prefill_chunk, MIN_PROMPT_TOKENS)`, so that prompts
+  keep moving when the decodes alone take the bound (first tokens stay fast; the bound then stretches
+  by that much). The bound defaults to `DEFAULT_CADENCE_FACTOR` times the measured step of a full
+  decode batch (the served concurrency, no prompt work): as the batch grows the prompt share shrinks,
+  and with few decoding the prompts take more. Without step costs (a package exported on the CPU, or
+  served on another kind of device) a step carries at most one prefill chunk (`prefill_chunk` tokens)
+  of prompt work while anyone decodes. With nobody decoding there is no cadence to keep, and prefill
+  takes the whole step budget either way.
 * `throughput` lets prompt work fill the whole step budget (`max_num_batched_tokens`) every step:
   fewer, larger steps, and longer gaps between output bursts. Requests are still served oldest
-  first, so token service stays fair and nobody starves.
+  first, so token service stays fair and nobody starves. It keeps no cadence bound.
 
 Terminal retirement. A request is *terminal* once its next sampled token is certainly its last
 (one token left under max_tokens or the context limit; a request asking for one token is terminal on
@@ -35,9 +42,10 @@ A value of zero disables its term: with both at zero, terminal requests are trea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from flare.engine.step_cost import StepCosts
 from flare.errors import UsageError
 
 SCHEDULER_POLICIES = ("balanced", "throughput")
@@ -45,6 +53,9 @@ SchedulerPolicyName = Literal["balanced", "throughput"]
 
 DEFAULT_TERMINAL_VALUE = 256.0       # prompt-token units
 DEFAULT_TERMINAL_AGE_PRICE = 1.0     # value per ms²
+DEFAULT_CADENCE_FACTOR = 2.0         # the default bound: twice a full decode batch's step
+MIN_PROMPT_TOKENS = 256              # prompt tokens a bounded step always carries (a chunk, if smaller)
+MAX_STEP_MS_FLAG = "--scheduler-max-step-ms"
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,10 @@ class SchedulerPolicy:
     name: SchedulerPolicyName = "balanced"
     terminal_value: float = DEFAULT_TERMINAL_VALUE
     terminal_age_price: float = DEFAULT_TERMINAL_AGE_PRICE
+    # The cadence bound `balanced` keeps (ms per step that carries decodes) and the measured costs it is
+    # kept with; both None: one prefill chunk beside decodes. `with_step_costs` sets them.
+    max_step_ms: float | None = None
+    step_costs: StepCosts | None = None
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULER_POLICIES:
@@ -62,12 +77,35 @@ class SchedulerPolicy:
                 raise UsageError(f"{flag} {value!r}: write a number")
             if not math.isfinite(value) or value < 0:
                 raise UsageError(f"{flag} {value}: the value must be finite and non-negative (0 disables it)")
+        bounded = self.max_step_ms is not None
+        if bounded != (self.step_costs is not None) or (bounded and self.name != "balanced"):
+            raise ValueError("a cadence bound and its step costs go together, on balanced (with_step_costs)")
+        if self.max_step_ms is not None:
+            check_max_step_ms(self.max_step_ms, MAX_STEP_MS_FLAG)
 
-    def prefill_cap(self, step_budget: int, prefill_chunk: int, anyone_decoding: bool) -> int:
-        """Most prompt tokens (all requests together) one step may carry before terminal allowances."""
-        if self.name == "balanced" and anyone_decoding:
+    def with_step_costs(self, costs: StepCosts, concurrency: int, max_step_ms: float | None = None,
+                        origin: str = MAX_STEP_MS_FLAG) -> SchedulerPolicy:
+        """This policy keeping a cadence bound with `costs`: `max_step_ms` (given by `origin`), or by
+        default DEFAULT_CADENCE_FACTOR times the measured step of `concurrency` decodes. `throughput`
+        keeps none and is returned as it is; a bound given for it is refused."""
+        if self.name != "balanced":
+            if max_step_ms is not None:
+                raise UsageError(f"{origin}: a cadence bound applies to --scheduler-policy balanced; {self.name} "
+                                 "keeps none (it lets prompt bursts through); remove one of the two")
+            return self
+        if max_step_ms is None:
+            max_step_ms = round(DEFAULT_CADENCE_FACTOR * costs.step_ms(concurrency, 0), 1)
+        return replace(self, max_step_ms=check_max_step_ms(max_step_ms, origin), step_costs=costs)
+
+    def prefill_cap(self, step_budget: int, prefill_chunk: int, num_decoding: int) -> int:
+        """Most prompt tokens (all requests together) one step may carry beside `num_decoding` decoding
+        requests, before terminal allowances."""
+        if self.name == "throughput" or num_decoding == 0:
+            return step_budget
+        if self.step_costs is None:
             return min(prefill_chunk, step_budget)
-        return step_budget
+        fits = self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms)
+        return min(step_budget, max(fits, min(prefill_chunk, MIN_PROMPT_TOKENS)))
 
     def retirement_value(self, terminal_age_s: float | None) -> float:
         """What retiring a request is worth now, in prompt tokens; 0 for a request that is not terminal."""
@@ -86,3 +124,11 @@ def parse_scheduler_number(flag: str, text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise UsageError(f"{flag} {text}: the value must be finite and non-negative (0 disables it)")
     return value
+
+
+def check_max_step_ms(value, where: str) -> float:
+    """A cadence bound: a finite number of milliseconds above zero (`where` names the flag or key)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{where}: {value!r} is not a cadence bound; write a finite number of milliseconds "
+                         "above 0, such as 25")
+    return float(value)

@@ -51,7 +51,6 @@ class Request:
         self.terminal_since: float | None = None   # clock time the scheduler first saw it one token from the end
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
-        self.generator = None               # the host Sampler's torch.Generator for a seeded request
         self.num_pending_outputs = 0        # sampled tokens whose ids have not reached the host yet
         self.slot: int | None = None        # batch slot while running
         self.seated = False                 # the runner holds the request in its slot

@@ -1,6 +1,7 @@
 """Continuous-batching scheduler: which requests compute how many tokens in the next step.
 
-A step, in order (the policy, `flare.engine.policy`, sets the prefill cap and the retirement values):
+A step, in order (the policy, `flare.engine.policy`, sets the prefill cap from the number of decodes,
+and the retirement values):
 1. Decodes: every running request with one token left to compute gets it.
 2. Running requests with more to compute (chunked prefill, or recomputation after a preemption),
    terminal ones first by retirement value, then in admission order, each at most `prefill_chunk`,
@@ -126,7 +127,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and step.budget > 0:
                 self._schedule_decode(request, step, now)
         step.prefill_left = self.policy.prefill_cap(self.config.max_num_batched_tokens, self.config.prefill_chunk,
-                                                    anyone_decoding=bool(step.chunks))
+                                                    num_decoding=len(step.chunks))
         prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
         prefilling.sort(key=lambda r: -self._retirement_value(r, now))      # stable: admission order among equals
         for request in prefilling:

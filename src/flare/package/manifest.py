@@ -4,9 +4,10 @@
 manifest with a missing, renamed, unknown or mistyped field, or an unsafe name. `Manifest.to_json()` is
 the canonical text that is signed: JSON with sorted keys, no spaces, UTF-8 kept, exactly as the first
 format-2 packages wrote it, so their signatures still verify and their text round-trips unchanged.
-Optional fields added since those packages (a weight payload's `tensors` and `sample`, and
-`promoted_from`) are left out of the text when absent; a package without them opens with fewer checks,
-and says so.
+Optional fields added since those packages (a weight payload's `tensors` and `sample`,
+`promoted_from`, and the plan's `step_costs`) are left out of the text when absent; a package without
+the weight records opens with fewer checks, and says so; one without step costs is scheduled with one
+prefill chunk beside decodes.
 
 What each side may assume: a reader holding a `Manifest` has a well-formed one (every payload name
 a plain relative path, every hash 64 lowercase hex digits, every deployment rank naming module-global
@@ -100,6 +101,33 @@ class Checkpoint(_Record):
     config: dict[str, Any]                  # the checkpoint's config.json, opaque here
 
 
+Milliseconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class StepCostTable(_Record):
+    """Engine steps timed at export on the device (`flare.engine.step_cost`): milliseconds[i][j] is one
+    step with decode_batches[i] decoding requests (each at decode_context tokens of context) and
+    prompt_tokens[j] prompt tokens beside them. The `balanced` policy sizes prompt work from it."""
+
+    device: str                             # the GPU it was measured on, as CUDA names it
+    decode_context: Positive
+    decode_batches: tuple[Positive, ...]
+    prompt_tokens: tuple[Count, ...]
+    milliseconds: tuple[tuple[Milliseconds, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.milliseconds) != len(self.decode_batches) or any(
+                len(row) != len(self.prompt_tokens) for row in self.milliseconds):
+            raise ValueError(f"step_costs.milliseconds must be {len(self.decode_batches)} rows of "
+                             f"{len(self.prompt_tokens)} times")
+        for name in ("decode_batches", "prompt_tokens"):
+            values = list(getattr(self, name))
+            if not values or values != sorted(set(values)):
+                raise ValueError(f"step_costs.{name} {values} must be distinct and rising")
+        if self.prompt_tokens[0] != 0:
+            raise ValueError("step_costs.prompt_tokens must start at 0 (decodes alone)")
+
+
 class Plan(_Record):
     """What preparation decided and serving follows."""
 
@@ -116,6 +144,7 @@ class Plan(_Record):
     # float32 scale per 128x128 block (flare.models.quantization); empty: stored as the checkpoint has them
     online_fp8: tuple[str, ...] = ()
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"    # --kv-cache-dtype
+    step_costs: StepCostTable | None = None    # measured at export on a GPU; None: not measured
 
 
 class Sampling(_Record):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from flare.errors import UsageError
+from flare.server.cadence import serving_cadence, step_costs_of
 from flare.server.engine_start import gib, serving_device, start_engine_process, start_in_process
 from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, serving_engine_config, serving_kv_pool
 from flare.server.listener import Listener, reserve, run_http
@@ -36,6 +37,7 @@ class ListenerOptions:
     kv_cache_limit: str = "memory"
     memory_limit: str | None = None
     scheduler_policy: Any = None            # flare.engine.policy.SchedulerPolicy; None: balanced, defaults
+    max_step_ms: float | None = None        # --scheduler-max-step-ms; None: [scheduler] max_step_ms, else the default
     gpus: tuple[int, ...] | None = None     # --gpus; None: the first visible GPU (or the CPU)
     profile_startup: Path | None = None     # --profile-startup DIR: a cProfile of the engine core's start
 
@@ -120,8 +122,10 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     memory_limit, reserve = serving_memory(listener_options, config, model)
     host, port = listener_address(listener_options, config)
     device = serving_device()
+    cadence = serving_cadence(listener_options.scheduler_policy, model.step_costs, concurrency, model.prefill_chunk,
+                              listener_options.max_step_ms, config, packaged=model.package_path is not None)
     pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve)
-    engine_config = serving_engine_config(model, concurrency, pool, listener_options.scheduler_policy)
+    engine_config = serving_engine_config(model, concurrency, pool, cadence.policy)
     if model.package_path is not None:
         profile_dir = str(listener_options.profile_startup) if listener_options.profile_startup else None
         engine, tokenizer = start_engine_process(model, engine_config, device, stages, profile_dir)
@@ -138,7 +142,8 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
         with stages.stage("Start HTTP") as stage:
             listener.listen()
             stage.note(listener.url)
-        report = startup_lines() + startup_report(model, settings, pool, engine_config, listener.url, device)
+        report = startup_lines() + startup_report(model, settings, pool, engine_config, listener.url, device,
+                                                  cadence.note)
         for line in report:
             print(line, file=stream, flush=True)
         dashboard = Dashboard.for_stream(stream, names[0], listener.url)   # None when redirected
@@ -156,7 +161,7 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
 
 
 def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, engine_config: Any,
-                   url: str, device: str) -> list[str]:
+                   url: str, device: str, cadence: str | None = None) -> list[str]:
     names = ", ".join(settings.served_names)
     limit = engine_config.kv_pool_limited_by          # memory | context | concurrency
     if device != "cuda" and limit != "memory":
@@ -172,6 +177,7 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
         f"authentication {'on' if settings.api_key else 'off'}",
         f"  scheduler {engine_config.scheduler_policy.name}: step budget {engine_config.max_num_batched_tokens:,} "
         f"tokens, prefill chunk {engine_config.prefill_chunk:,}",
+        *([f"  cadence: {cadence}"] if cadence else []),
     ]
 
 
@@ -293,7 +299,8 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         weight_bytes=weight_bytes, iter_weights=package.iter_weights,
         sampling=SamplingPolicy(manifest.sampling.defaults, manifest.sampling.ranges),
         memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
-        decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype)
+        decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype,
+        step_costs=step_costs_of(plan))
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

@@ -41,6 +41,8 @@ ENGINE_GAUGES = (
     ("flare_kv_cache_pages_total", "kv_pages_total", "KV cache pages allocated"),
     ("flare_prefix_cache_resident_pages", "prefix_cache_resident_pages",
      "KV pages holding reusable cached content, in use or not"),
+    ("flare_scheduler_max_step_ms", "max_step_ms",
+     "The cadence bound the balanced policy keeps on steps that carry decodes, in ms (0: none)"),
 )
 
 

@@ -40,6 +40,10 @@ def configure(parser):
     scheduling.add_argument("--scheduler-terminal-age-price", metavar="PRICE",
                             help="added worth per squared millisecond a terminal request waits; 0 disables it "
                                  "(default: 1)")
+    scheduling.add_argument("--scheduler-max-step-ms", type=float, metavar="MS",
+                            help="balanced: the longest step beside decoding requests, from the step costs the "
+                                 "package measured at export (default: [scheduler] max_step_ms, otherwise twice "
+                                 "a full decode batch's step)")
     scheduling.add_argument("--profile-startup", type=Path, metavar="DIR",
                             help="write a cProfile of the engine core's start (loading, compiling, capturing) "
                                  "into DIR, a diagnostic for slow starts (default: off)")
@@ -63,18 +67,19 @@ def run(args) -> int:
     from flare.package.trust import trust_options_from_args
     from flare.server.launch import ListenerOptions, RunOptions, run_package
 
-    from flare.config import MAX_CONCURRENCY, PORT, SERVING_MEMORY, check_flag
+    from flare.config import MAX_CONCURRENCY, MAX_STEP_MS, PORT, SERVING_MEMORY, check_flag
     from flare.memory import parse_gpus
 
     policy = scheduler_policy_from_args(args)              # refuse a bad value before anything loads
     for setting, value in ((MAX_CONCURRENCY, args.max_concurrency), (PORT, args.port),
-                           (SERVING_MEMORY, args.memory_limit)):
+                           (SERVING_MEMORY, args.memory_limit), (MAX_STEP_MS, args.scheduler_max_step_ms)):
         check_flag(setting, value)
     args.configuration = _configuration(args)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
                                kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit,
-                               scheduler_policy=policy, gpus=parse_gpus(args.gpus) if args.gpus else None,
+                               scheduler_policy=policy, max_step_ms=args.scheduler_max_step_ms,
+                               gpus=parse_gpus(args.gpus) if args.gpus else None,
                                profile_startup=args.profile_startup)
     options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
                          config=args.configuration, model_cache=args.model_cache,

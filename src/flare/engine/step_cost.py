@@ -1,0 +1,187 @@
+"""What one engine step costs: measured at export on the device, read by the `balanced` policy.
+
+A step carries the decoding requests' next tokens and, beside them, some prompt tokens. Its time grows
+with both, and every decoding request waits that long for its next token. `measure_step_costs` times
+steps through the runner, as serving runs them (decode-only steps replay their captured graphs, steps
+with prompt work run the compiled model), on a grid of decode batch sizes × prompt-token counts, and
+`StepCosts` answers the policy's question from that grid: how many prompt tokens fit beside this many
+decodes within a bound (`flare.engine.policy`). The package's plan records the grid
+(`flare.package.manifest.StepCostTable`); a package exported without a GPU has none.
+
+What the measurement fixes, and so approximates: every decoding request at `decode_context` tokens of
+context, and the prompt tokens as one request's chunk from position 0 (a long chunk's attention costs a
+little more than several shorter ones', so the estimate errs long). A step with prompt work has at most
+`max_concurrency - 1` decoding requests (the prompt's request holds a slot too), so that is how many
+the largest batch's prompt columns are measured with. Times are wall-clock from launch to the ids on the
+host: what the next token of a decoding request waits.
+
+Between grid points times are interpolated linearly; a batch beyond the grid takes its nearest row, and
+prompt tokens are never estimated beyond the last measured column. Each row is made non-decreasing in
+prompt tokens (a running maximum) so that timing noise cannot make more work look cheaper.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+DECODE_CONTEXT = 1024        # the context of each decoding request in the measured steps
+SMALLEST_PROMPT_COLUMN = 64
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """milliseconds[i][j]: one step with decode_batches[i] decoding requests and prompt_tokens[j] prompt
+    tokens beside them, on `device`."""
+
+    device: str
+    decode_context: int
+    decode_batches: tuple[int, ...]           # rising, from 1
+    prompt_tokens: tuple[int, ...]            # rising, from 0
+    milliseconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        batches, tokens = self.decode_batches, self.prompt_tokens
+        if not batches or batches[0] < 1 or list(batches) != sorted(set(batches)):
+            raise ValueError(f"step costs: decode_batches {list(batches)} must be distinct, rising and from 1")
+        if not tokens or tokens[0] != 0 or list(tokens) != sorted(set(tokens)):
+            raise ValueError(f"step costs: prompt_tokens {list(tokens)} must be distinct, rising and from 0")
+        if len(self.milliseconds) != len(batches) or any(len(row) != len(tokens) for row in self.milliseconds):
+            raise ValueError(f"step costs: milliseconds must be {len(batches)} rows of {len(tokens)} times")
+        if not all(math.isfinite(ms) and ms > 0 for row in self.milliseconds for ms in row):
+            raise ValueError("step costs: every time must be a finite, positive number of milliseconds")
+
+    def step_ms(self, num_decodes: int, num_prompt_tokens: int) -> float:
+        """The estimated time of a step with these decodes and prompt tokens."""
+        row = self._row(num_decodes)
+        tokens = self.prompt_tokens
+        j = min(bisect.bisect_right(tokens, num_prompt_tokens) - 1, len(tokens) - 2)
+        if j < 0:                                  # a single column: prompt work is not measured
+            return row[0]
+        share = min(1.0, (num_prompt_tokens - tokens[j]) / (tokens[j + 1] - tokens[j]))
+        return row[j] + share * (row[j + 1] - row[j])
+
+    def prompt_tokens_within(self, num_decodes: int, bound_ms: float) -> int:
+        """The most prompt tokens a step with `num_decodes` decoding requests may carry and still take no
+        longer than `bound_ms`: 0 when the decodes alone take longer, at most the last measured column."""
+        row, tokens = self._row(num_decodes), self.prompt_tokens
+        within = bisect.bisect_right(row, bound_ms)           # rows are non-decreasing
+        if within == 0:
+            return 0
+        if within == len(row):
+            return tokens[-1]
+        j = within - 1                              # row[j] <= bound < row[j + 1]
+        share = (bound_ms - row[j]) / (row[j + 1] - row[j])
+        return int(tokens[j] + share * (tokens[j + 1] - tokens[j]))
+
+    def _row(self, num_decodes: int) -> list[float]:
+        """The times at each prompt column for `num_decodes`, interpolated between measured batches."""
+        batches = self.decode_batches
+        i = bisect.bisect_right(batches, num_decodes) - 1
+        if i < 0:
+            values = self.milliseconds[0]
+        elif i >= len(batches) - 1:
+            values = self.milliseconds[-1]
+        else:
+            share = (num_decodes - batches[i]) / (batches[i + 1] - batches[i])
+            values = [a + share * (b - a) for a, b in zip(self.milliseconds[i], self.milliseconds[i + 1])]
+        return _running_max(values)
+
+
+def _running_max(values) -> list[float]:
+    out, top = [], -math.inf
+    for value in values:
+        top = max(top, value)
+        out.append(top)
+    return out
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+
+def decode_batch_rows(max_concurrency: int) -> tuple[int, ...]:
+    """The decode batch sizes measured: 1, 4, 16, 64, ... below the concurrency, and the concurrency."""
+    rows, batch = [], 1
+    while batch < max_concurrency:
+        rows.append(batch)
+        batch *= 4
+    return (*rows, max_concurrency)
+
+
+def prompt_token_columns(prefill_chunk: int) -> tuple[int, ...]:
+    """The prompt-token counts measured: 0, 64, 128, ... doubling below two prefill chunks, and two chunks
+    (the most prompt work a step's token budget holds, `flare.engine.config.step_token_budget`)."""
+    columns, tokens = [0], SMALLEST_PROMPT_COLUMN
+    while tokens < 2 * prefill_chunk:
+        columns.append(tokens)
+        tokens *= 2
+    return (*columns, 2 * prefill_chunk)
+
+
+def measure_step_costs(runner, device_name: str, *, decode_context: int = DECODE_CONTEXT,
+                       repeats: int = 5, warm_ups: int = 2) -> StepCosts:
+    """Time steps of `runner` (a `flare.engine.runner.ModelRunner`) on the grid of `decode_batch_rows` ×
+    `prompt_token_columns` for its config; the median of `repeats` after `warm_ups`. Its slots are freed
+    before and after. The runner's config must hold `measurement_model_len` tokens per request."""
+    config = runner.config
+    batches = decode_batch_rows(config.max_concurrency)
+    tokens = prompt_token_columns(config.prefill_chunk)
+    runner.reset()
+    _seat_every_slot(runner, max(decode_context, tokens[-1]))
+    try:
+        milliseconds = tuple(tuple(round(_median_ms(runner, _step(config, batch, prompt, decode_context),
+                                                    repeats, warm_ups), 3)
+                                   for prompt in tokens) for batch in batches)
+    finally:
+        runner.reset()
+    return StepCosts(device_name, decode_context, batches, tokens, milliseconds)
+
+
+def measurement_model_len(prefill_chunk: int, decode_context: int = DECODE_CONTEXT) -> int:
+    """The context a runner needs for `measure_step_costs`."""
+    return max(decode_context, 2 * prefill_chunk) + 1
+
+
+def _seat_every_slot(runner, length: int) -> None:
+    """Seat a request of `length` random-sampling prompt ids in every slot, its page table covering them
+    (pages reused cyclically: the measured steps read and write garbage K/V, which costs the same)."""
+    import random
+
+    from flare.engine.sampling_params import SamplingParams
+    from flare.engine.step import NewRequest, ScheduledRow, StepPlan
+
+    config = runner.config
+    ids = random.Random(0)
+    prompt = tuple(ids.randrange(3, max(4, runner.vocab_size)) for _ in range(length))
+    params = SamplingParams(temperature=1.0, top_p=0.9, ignore_eos=True)
+    pages = tuple(page % config.num_pages for page in range(-(-length // config.page_size)))
+    new = tuple(NewRequest(f"flare-step-cost-{slot}", slot, prompt, (), params)
+                for slot in range(config.max_concurrency))
+    rows = tuple(ScheduledRow(request.request_id, request.slot, length - 1, 1, pages, True) for request in new)
+    runner.launch(StepPlan(rows, new)).result()
+
+
+def _step(config, batch: int, prompt_tokens: int, decode_context: int):
+    """The plan of one measured step: `batch` decoding slots first, then one slot's prompt chunk."""
+    from flare.engine.step import ScheduledRow, StepPlan
+
+    decoders = min(batch, config.max_concurrency - 1) if prompt_tokens else batch
+    rows = [ScheduledRow(f"flare-step-cost-{slot}", slot, decode_context - 1, 1, (), True)
+            for slot in range(decoders)]
+    if prompt_tokens:
+        slot = config.max_concurrency - 1
+        rows.append(ScheduledRow(f"flare-step-cost-{slot}", slot, 0, prompt_tokens, (), False))
+    return StepPlan(tuple(rows))
+
+
+def _median_ms(runner, plan, repeats: int, warm_ups: int) -> float:
+    for _ in range(warm_ups):
+        runner.launch(plan).result()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runner.launch(plan).result()
+        samples.append((time.perf_counter() - started) * 1000.0)
+    return statistics.median(samples)

@@ -1,0 +1,166 @@
+"""The balanced policy's step budget from measured step costs: the prompt tokens it carries beside decodes
+are the ones the cost table implies for its cadence bound; without a table it carries one prefill chunk,
+as it always did; the bound is checked where it is given."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from fake_runner import FakeRunner, fake_continuation
+from test_scheduler import add, prompt, run_to_end
+
+from flare.engine.config import EngineConfig
+from flare.engine.core import EngineCore
+from flare.engine.policy import DEFAULT_CADENCE_FACTOR, MIN_PROMPT_TOKENS, SchedulerPolicy, check_max_step_ms
+from flare.engine.step_cost import StepCosts
+from flare.errors import UsageError
+
+# Two measured batches (1 and 16 decoding requests) beside 0, 512 and 1,024 prompt tokens.
+COSTS = StepCosts("NVIDIA H200", 1024, (1, 16), (0, 512, 1024), ((5.0, 10.0, 15.0), (8.0, 14.0, 20.0)))
+BUDGET, CHUNK = 4112, 2048
+
+
+def test_the_policy_carries_the_prompt_tokens_the_table_implies():
+    policy = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=12.0)
+    assert policy.max_step_ms == 12.0
+    # 16 decodes: 8 ms alone, 14 ms with 512 prompt tokens; 12 ms is 4/6 of the way
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=16) == int(512 * 4 / 6) == 341
+    # 1 decode: 10 ms at 512, 15 ms at 1,024; 12 ms is 2/5 of the way
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=1) == 512 + int(512 * 2 / 5)
+    # 8.5 decodes' row lies halfway between the measured ones: 6.5, 12, 17.5 ms
+    assert COSTS.step_ms(8.5, 0) == pytest.approx(6.5) and COSTS.step_ms(8.5, 256) == pytest.approx(9.25)
+    # beyond the measured batches the nearest row holds; beyond the last column nothing is estimated
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=40) == 341
+    assert SchedulerPolicy().with_step_costs(COSTS, 16, 50.0).prefill_cap(BUDGET, CHUNK, 1) == 1024
+
+
+def test_prompts_keep_moving_when_the_decodes_alone_take_the_bound():
+    policy = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=7.0)     # 16 decodes: 8 ms
+    assert COSTS.prompt_tokens_within(16, 7.0) == 0
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=16) == MIN_PROMPT_TOKENS
+    assert policy.prefill_cap(BUDGET, 128, num_decoding=16) == 128           # a smaller chunk is the floor
+    assert policy.prefill_cap(200, CHUNK, num_decoding=16) == 200             # within the step budget
+
+
+def test_nobody_decoding_or_throughput_fills_the_step_and_no_table_carries_one_chunk():
+    bounded = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=12.0)
+    assert bounded.prefill_cap(BUDGET, CHUNK, num_decoding=0) == BUDGET
+    throughput = SchedulerPolicy("throughput")
+    assert throughput.with_step_costs(COSTS, 16) is throughput
+    assert throughput.prefill_cap(BUDGET, CHUNK, num_decoding=16) == BUDGET
+    unmeasured = SchedulerPolicy()
+    assert unmeasured.max_step_ms is None
+    assert [unmeasured.prefill_cap(BUDGET, CHUNK, n) for n in (0, 1, 16)] == [BUDGET, CHUNK, CHUNK]
+
+
+def test_the_default_bound_is_twice_a_full_decode_batchs_step():
+    assert DEFAULT_CADENCE_FACTOR == 2.0
+    assert SchedulerPolicy().with_step_costs(COSTS, concurrency=16).max_step_ms == 16.0
+    assert SchedulerPolicy().with_step_costs(COSTS, concurrency=1).max_step_ms == 10.0
+
+
+def test_a_bound_is_checked_and_belongs_to_balanced():
+    for value in (0, -5.0, math.nan, math.inf, True, "25"):
+        with pytest.raises(UsageError, match="--scheduler-max-step-ms"):
+            check_max_step_ms(value, "--scheduler-max-step-ms")
+    with pytest.raises(UsageError, match="scheduler.max_step_ms = 20: a cadence bound applies to --scheduler-policy balanced"):
+        SchedulerPolicy("throughput").with_step_costs(COSTS, 16, 20.0, origin="scheduler.max_step_ms = 20")
+    with pytest.raises(ValueError):
+        SchedulerPolicy(max_step_ms=20.0)                                    # a bound with no costs to keep it
+    with pytest.raises(ValueError):
+        SchedulerPolicy(step_costs=COSTS)
+
+
+def test_a_table_must_be_a_rising_grid_of_positive_times():
+    for batches, tokens, times in [((0, 16), (0, 512), ((1, 2), (3, 4))), ((16, 1), (0, 512), ((1, 2), (3, 4))),
+                                   ((1,), (64, 512), ((1, 2),)), ((1,), (0, 512), ((1, 2, 3),)),
+                                   ((1,), (0, 512), ((1, math.nan),)), ((1,), (0, 512), ((0.0, 1.0),))]:
+        with pytest.raises(ValueError, match="step costs"):
+            StepCosts("GPU", 1024, batches, tokens, times)
+    noisy = StepCosts("GPU", 1024, (1,), (0, 64, 128), ((5.0, 4.0, 6.0),))  # timing noise: 64 looked cheaper
+    assert noisy.step_ms(1, 64) == 5.0 and noisy.prompt_tokens_within(1, 4.5) == 0
+
+
+# ---- through the scheduler -----------------------------------------------------------------------------
+
+SMALL_COSTS = StepCosts("GPU", 1024, (1, 4), (0, 256, 512, 1024), ((5.0, 6.0, 8.0, 12.0), (6.0, 7.0, 9.0, 13.0)))
+NO_TERMINAL = dict(terminal_value=0, terminal_age_price=0)      # terminal allowances would add to the cap
+
+
+def steps_beside_one_decoder(policy: SchedulerPolicy, prompts: int) -> list[int]:
+    """The prompt tokens of each step that carried one decoding request and prompt work: a decoder runs,
+    then `prompts` 1,500-token prompts arrive."""
+    config = EngineConfig(max_concurrency=4, page_size=16, num_pages=512, max_model_len=2048, prefill_chunk=512,
+                          max_num_batched_tokens=1028, scheduler_policy=policy, one_step_ahead=False)
+    core = EngineCore(config, FakeRunner(config.page_size))
+    add(core, "decoder", prompt(3), max_tokens=60)
+    core.step()
+    long_prompts = {f"long{i}": prompt(1500, i + 1) for i in range(prompts)}
+    for request_id, ids in long_prompts.items():
+        add(core, request_id, ids, max_tokens=2)
+    outputs = run_to_end(core)
+    for request_id, ids in long_prompts.items():
+        assert outputs[request_id] == fake_continuation(ids, 2)
+    lengths = {"decoder": 3, **{request_id: 1500 for request_id in long_prompts}}
+    carried = []
+    for step in core.runner.steps:
+        decodes = sum(1 for r in step.rows if r.num_computed_tokens >= lengths[r.request_id])
+        prompt_tokens = sum(r.num_new_tokens for r in step.rows if r.num_computed_tokens < lengths[r.request_id])
+        if decodes == 1 and prompt_tokens:
+            carried.append(prompt_tokens)
+    return carried
+
+
+def test_the_scheduler_carries_the_tables_prompt_tokens_and_without_a_table_one_chunk():
+    # One decoder: 6 ms with 256 prompt tokens, 8 ms with 512; a 7 ms bound carries 384 a step.
+    bounded = SchedulerPolicy(**NO_TERMINAL).with_step_costs(SMALL_COSTS, concurrency=4, max_step_ms=7.0)
+    carried = steps_beside_one_decoder(bounded, prompts=1)
+    assert carried[:-1] == [384] * 3 and carried[-1] == 1500 - 3 * 384
+    assert steps_beside_one_decoder(SchedulerPolicy(**NO_TERMINAL), prompts=1) == [512, 512, 476]
+    # 11 ms: 896 tokens a step, more than one request's chunk: two prompts share the step.
+    wide = SchedulerPolicy(**NO_TERMINAL).with_step_costs(SMALL_COSTS, concurrency=4, max_step_ms=11.0)
+    assert steps_beside_one_decoder(wide, prompts=2)[:2] == [896, 896]
+    assert steps_beside_one_decoder(SchedulerPolicy(**NO_TERMINAL), prompts=2)[:2] == [512, 512]
+
+
+def test_the_engine_reports_its_cadence_bound():
+    bounded = SchedulerPolicy().with_step_costs(SMALL_COSTS, concurrency=4, max_step_ms=7.0)
+    for policy, expected in ((bounded, 7.0), (SchedulerPolicy(), 0.0)):
+        config = EngineConfig(max_concurrency=4, scheduler_policy=policy)
+        assert EngineCore(config, FakeRunner(config.page_size)).stats().max_step_ms == expected
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+
+def test_steps_are_timed_on_the_grid_through_the_runner_and_its_slots_freed(stories260k, monkeypatch):
+    """On the CPU (export measures on a GPU, the same way): every grid point is one launch per repeat of a
+    plan of that shape, decodes first, and the slots are free again afterwards."""
+    import torch
+
+    from flare.engine.factory import load_checkpoint_model
+    from flare.engine.runner import ModelRunner
+    from flare.engine.step_cost import decode_batch_rows, measure_step_costs, measurement_model_len, \
+        prompt_token_columns
+
+    assert decode_batch_rows(256) == (1, 4, 16, 64, 256) and decode_batch_rows(112)[-1] == 112
+    assert prompt_token_columns(2048) == (0, 64, 128, 256, 512, 1024, 2048, 4096)
+    config = EngineConfig(max_concurrency=3, page_size=16, num_pages=16, prefill_chunk=64,
+                          max_num_batched_tokens=131, max_model_len=measurement_model_len(64, decode_context=64))
+    loaded = load_checkpoint_model(stories260k, config)
+    runner = ModelRunner(loaded.model, loaded.model_config, config, "cpu", torch.float32, seed=0)
+    shapes = []
+    launch = runner.launch
+    monkeypatch.setattr(runner, "launch", lambda plan: (shapes.append(
+        tuple((row.num_new_tokens, row.samples) for row in plan.rows)), launch(plan))[1])
+    costs = measure_step_costs(runner, "cpu", decode_context=64, repeats=2, warm_ups=1)
+    assert (costs.device, costs.decode_context) == ("cpu", 64)
+    assert costs.decode_batches == (1, 3) and costs.prompt_tokens == (0, 64, 128)
+    assert all(ms > 0 for row in costs.milliseconds for ms in row)
+    assert shapes[0] == ((1, True),) * 3                               # every slot seated once
+    measured = shapes[1:]
+    assert len(measured) == 6 * 3
+    # the largest batch's prompt columns: 2 decodes (a prompt needs a slot of its own) and the prompt after them
+    assert measured[-1] == ((1, True), (1, True), (128, False))
+    assert measured[0] == ((1, True),)
+    assert all(state is None for state in runner.slots.requests)
