@@ -114,8 +114,16 @@ async def one_request(client, url: str, payload: dict) -> RequestResult:
     return result
 
 
+# --json-schema: every request's reply is constrained to this schema (a long array of records, so the
+# grammar masks every step of a 256-token reply); the tokenizer must spell JSON (braces, quotes, digits).
+BENCH_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 64, "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+                                     "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"]}}},
+    "required": ["records"]}
+
+
 async def run_level(base_url: str, model: str, prompts: list, output_len: int, concurrency: int,
-                    api_key: str | None) -> tuple[list[RequestResult], float]:
+                    api_key: str | None, json_schema: bool = False) -> tuple[list[RequestResult], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -127,6 +135,9 @@ async def run_level(base_url: str, model: str, prompts: list, output_len: int, c
         async def gated(prompt):
             payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            if json_schema:
+                payload["response_format"] = {"type": "json_schema",
+                                              "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
             async with gate:
                 return await one_request(client, url, payload)
 
@@ -186,25 +197,28 @@ def main(argv=None) -> int:
                         help="leading prompt tokens common to every request (exercises the prefix cache)")
     parser.add_argument("--warmup-requests", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-schema", action="store_true",
+                        help="constrain every reply to a JSON schema (grammar masks on every step)")
     parser.add_argument("--output", type=Path, default=None, help="JSON results")
     args = parser.parse_args(argv)
 
     levels = [int(part) for part in args.concurrency.split(",")]
     warm = make_prompts(args.warmup_requests, args.input_len, args.vocab_size, args.seed + 999, args.tokenizer)
     if warm:
-        asyncio.run(run_level(args.base_url, args.model, warm, min(16, args.output_len), len(warm), args.api_key))
+        asyncio.run(run_level(args.base_url, args.model, warm, min(16, args.output_len), len(warm), args.api_key,
+                              args.json_schema))
     summaries = []
     for concurrency in levels:
         count = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
         prompts = make_prompts(count, args.input_len, args.vocab_size, args.seed + concurrency, args.tokenizer,
                                args.shared_prefix_len, prefix_seed=args.seed)
         results, duration = asyncio.run(run_level(args.base_url, args.model, prompts, args.output_len,
-                                                  concurrency, args.api_key))
+                                                  concurrency, args.api_key, args.json_schema))
         summaries.append(summarize(concurrency, results, duration, args.output_len))
         print(table(summaries[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     document = {"benchmark": "serve", "base_url": args.base_url, "model": args.model,
                 "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": True,
-                "shared_prefix_len": args.shared_prefix_len,
+                "shared_prefix_len": args.shared_prefix_len, "json_schema": args.json_schema,
                 "prompt_form": "text" if args.tokenizer else "token ids",
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "levels": summaries}
     print(table(summaries))
