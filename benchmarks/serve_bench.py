@@ -131,6 +131,14 @@ async def one_request(client, url: str, payload: dict) -> RequestResult:
     return result
 
 
+# --json-schema: every request's reply is constrained to this schema (a long array of records, so the
+# grammar masks every step of a 256-token reply); the tokenizer must spell JSON (braces, quotes, digits).
+BENCH_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "minItems": 64, "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+                                     "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"]}}},
+    "required": ["records"]}
+
+
 @dataclass(frozen=True)
 class Level:
     """One level of load: `count` requests arriving at `request_rate` per second (inf: all at once), at
@@ -159,7 +167,8 @@ def arrival_offsets(level: Level, seed: int) -> list[float]:
 
 
 async def run_level(base_url: str, model: str, prompts: list, output_len: int, level: Level,
-                    api_key: str | None, sampling: dict | None = None, seed: int = 0
+                    api_key: str | None, sampling: dict | None = None, seed: int = 0,
+                    json_schema: bool = False
                     ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -177,6 +186,9 @@ async def run_level(base_url: str, model: str, prompts: list, output_len: int, l
             payload = {"model": model, "prompt": prompt, "max_tokens": output_len, **(sampling or {}),
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+            if json_schema:
+                payload["response_format"] = {"type": "json_schema",
+                                              "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
             async with gate:
                 return await one_request(client, url, payload)
 
@@ -316,6 +328,8 @@ def parse_args(argv=None):
                         help="leading prompt tokens common to every request (exercises the prefix cache)")
     parser.add_argument("--warmup-requests", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-schema", action="store_true",
+                        help="constrain every reply to a JSON schema (grammar masks on every step)")
     parser.add_argument("--output", type=Path, default=None, help="JSON results")
     args = parser.parse_args(argv)
     try:
@@ -334,7 +348,8 @@ def main(argv=None) -> int:
     warm = make_prompts(args.warmup_requests, args.input_len, args.vocab_size, args.seed + 999, args.tokenizer)
     if warm:
         asyncio.run(run_level(args.base_url, args.model, warm, min(16, args.output_len),
-                              Level(len(warm), len(warm)), args.api_key, fields))
+                              Level(len(warm), len(warm)), args.api_key, fields,
+                              json_schema=args.json_schema))
     summaries = []
     for index, level in enumerate(levels):
         # A new prompt seed per level, so that one level does not hit the prefix cache of another.
@@ -342,12 +357,13 @@ def main(argv=None) -> int:
         prompts = make_prompts(level.count, args.input_len, args.vocab_size, args.seed + key,
                                args.tokenizer, args.shared_prefix_len, prefix_seed=args.seed)
         results, duration = asyncio.run(run_level(args.base_url, args.model, prompts, args.output_len, level,
-                                                  args.api_key, fields, seed=args.seed + index))
+                                                  args.api_key, fields, seed=args.seed + index,
+                                                  json_schema=args.json_schema))
         summaries.append(summarize(level, results, duration, args.output_len, objectives))
         print(table(summaries[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     document = {"benchmark": "serve", "base_url": args.base_url, "model": args.model,
                 "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": True,
-                "shared_prefix_len": args.shared_prefix_len,
+                "shared_prefix_len": args.shared_prefix_len, "json_schema": args.json_schema,
                 "arrivals": "all at once, concurrency-limited" if args.request_rate is None else
                             ("Poisson" if args.burstiness == 1 else f"gamma, burstiness {args.burstiness:g}"),
                 "sampling": fields or "server defaults", "goodput_slo_ms": objectives or None,

@@ -18,6 +18,8 @@
 #   poisson-defaults  the same with the package's sampling defaults
 #   bound:MS    restart the server with --scheduler-max-step-ms MS (the cadence bound; later phases use it)
 #   policy:NAME restart the server with --scheduler-policy NAME (balanced, throughput; bound dropped)
+#   jsonN       the same with every reply constrained to a JSON schema (serve_bench --json-schema); with
+#               any json phase the checkpoint gets a byte-level tokenizer that spells JSON, for every phase
 #   long        8,000-token prompts, 1 token out: time to first token
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
@@ -47,7 +49,7 @@ elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 ignition() { "$PY" -c 'import sys; from flare.cli.ignition import main; sys.exit(main())' "$@"; }
 
 WHEELS=${WHEELS:-.whl}
-NEEDED="fastapi uvicorn rich cryptography tomlkit pyzmq msgspec prometheus-client nvidia-ml-py jinja2 filelock httpx"
+NEEDED="fastapi uvicorn rich cryptography tomlkit pyzmq msgspec prometheus-client nvidia-ml-py jinja2 filelock httpx xgrammar apache-tvm-ffi"
 if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, rich, cryptography, tomlkit, zmq, msgspec, prometheus_client, pynvml, httpx' 2>/dev/null; then
   log "installing what is missing from $WHEELS"
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" $NEEDED 2>&1 | tail -2
@@ -86,6 +88,13 @@ if layers:
 m.main(out, name)
 PY
 fi
+
+case " $PHASES " in
+  *" json"*)   # grammar phases need a tokenizer that spells JSON (the serve phases then share it, for a fair ratio)
+    log "byte-level tokenizer for JSON grammars"
+    VOCAB_SIZE=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]+"/config.json"))["vocab_size"])' "$CKPT")
+    "$PY" benchmarks/json_bench_tokenizer.py "$CKPT" "$VOCAB_SIZE" ;;
+esac
 
 log "ignition export"
 started=$(now)
@@ -169,6 +178,8 @@ restart_with() {   # a phase's name, then the scheduling flags the restarted ser
 }
 for phase in $PHASES; do
   case $phase in
+    json*)  n=${phase#json}    # the serveN level with every reply constrained to a JSON schema
+            bench "$phase" --input-len "${IN_LEN:-1000}" --output-len "${OUT_LEN:-256}" --concurrency "$n" --json-schema ;;
     serve*) n=${phase#serve}
             bench "$phase" --input-len "${IN_LEN:-1000}" --output-len "${OUT_LEN:-256}" --concurrency "$n" ;;
     sampled*) n=${phase#sampled}

@@ -30,6 +30,17 @@ def test_inspect_json_is_stable_and_exact(export, capsys):
     assert {a["name"] for a in report["frontend"]["assets"]} >= {"tokenizer.json", "config.json"}
 
 
+def test_inspect_frontend_names_the_reply_parsers_and_grammar_backend(export, capsys):
+    from importlib.metadata import version
+
+    report = json.loads(_json(capsys, ["inspect", str(export()), "--json", "--frontend"]))["frontend"]
+    # stories260k has no chat template: no tools to parse, no reasoning block
+    assert (report["tool_parser"], report["reasoning_parser"]) == (None, None)
+    assert report["grammar_backend"] == f"xgrammar {version('xgrammar')}"
+    text = _json(capsys, ["inspect", str(export()), "--frontend", "--plain"])
+    assert "tool parser" in text and "grammar backend" in text and "xgrammar" in text
+
+
 def test_summary_json_leaves_out_detail_sections(export, capsys):
     report = json.loads(_json(capsys, ["inspect", str(export()), "--json"]))
     assert not {"memory_map", "graphs", "frontend", "manifest"} & set(report)

@@ -3,6 +3,8 @@ the official clients. The demo's template has multi-token special markers, unlik
 
 from __future__ import annotations
 
+import dataclasses
+
 import anthropic
 import openai
 import pytest
@@ -21,8 +23,9 @@ MESSAGES = [{"role": "system", "content": "You answer questions about Python."},
 @pytest.fixture(scope="module")
 def demo_checkpoint(tmp_path_factory):
     # a few training steps suffice: these tests are about serving, not about the answers' quality
-    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", DemoSpec.reduced(steps=20),
-                                  log=lambda line: None)
+    # 512 positions: room for a tool list and a forced call beside the prompt
+    spec = dataclasses.replace(DemoSpec.reduced(steps=20), max_position_embeddings=512)
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo") / "checkpoint", spec, log=lambda line: None)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def server(tmp_path_factory, demo_checkpoint):
     home = tmp_path_factory.mktemp("demo-home")
     export_package(demo_checkpoint, home)
     process = FlareProcess(home, "checkpoint")
-    process.start()
+    process.start(timeout=300)          # a busy two-core machine can take minutes to spawn the engine
     yield process
     process.stop()
 
@@ -74,3 +77,17 @@ def test_n_and_logprobs_on_the_demo(oai):
     for choice in reply.choices:
         assert len(choice.logprobs.content) == 6
         assert "".join(entry.token for entry in choice.logprobs.content) == choice.message.content
+
+
+def test_a_forced_tool_call_on_the_demo_matches_the_schema(oai):
+    import json
+
+    schema = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"]}
+    tool = {"type": "function", "function": {"name": "find", "parameters": schema}}
+    reply = oai.chat.completions.create(model="checkpoint", messages=[{"role": "user", "content": "A list?"}],
+                                        tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                        temperature=0)
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "find"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"q"} and len(arguments["q"]) <= 8

@@ -177,14 +177,17 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.script: list[str] = []
+        self.finish_reason = "stop"
         self.prompts: list[list[int]] = []
+        self.params = []
 
     async def generate(self, request_id, prompt_token_ids, params):
         self.prompts.append(list(prompt_token_ids))
+        self.params.append(params)
         for step, piece in enumerate(self.script):
             await asyncio.sleep(0)
             last = step + 1 == len(self.script)
-            yield RequestOutput(request_id, (1,), piece, (), finished=last, finish_reason="stop" if last else None,
+            yield RequestOutput(request_id, (1,), piece, (), finished=last, finish_reason=self.finish_reason if last else None,
                                 num_prompt_tokens=len(prompt_token_ids), num_output_tokens=step + 1)
 
     def abort(self, request_id):
@@ -226,8 +229,9 @@ def claude(served):
     return anthropic.Anthropic(base_url=served.url, api_key="none", max_retries=0)
 
 
-def _script(served, text: str, size: int = 7) -> None:
+def _script(served, text: str, size: int = 7, finish_reason: str = "stop") -> None:
     served.engine.script = [text[i:i + size] for i in range(0, len(text), size)]
+    served.engine.finish_reason = finish_reason
 
 
 def _last_prompt(served) -> str:
@@ -295,20 +299,34 @@ def test_openai_chat_malformed_call_is_text(oai, served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
 
-def test_openai_tool_choice_named_and_required_open_the_call(oai, served):
-    _script(served, '{"city": "Oslo"}}\n</tool_call>')
+def test_openai_tool_choice_named_and_required_are_a_grammar(oai, served):
+    _script(served, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     reply = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER_TOOL],
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     call = reply.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
-    assert _last_prompt(served).endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":')
-    _script(served, 'get_weather", "arguments": {"city": "Rome"}}</tool_call>')
-    reply = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER_TOOL],
-                                        tool_choice="required", stream=False)
-    assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"city": "Rome"}
+    assert reply.choices[0].message.content is None and reply.choices[0].finish_reason == "tool_calls"
+    assert _last_prompt(served).endswith("<|im_start|>assistant\n")       # nothing forced into the prompt
+    grammar = served.engine.params[-1].grammar
+    assert grammar.kind == "structural_tag" and '<tool_call>\\n{\\"name\\": \\"get_weather\\"' in grammar.source
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER_TOOL],
                                     tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_forced_call_cut_short_says_length_and_shows_no_text_streamed_or_not(oai, served):
+    _script(served, '<tool_call>\n{"name": "get_weather", "arguments": {"ci', finish_reason="length")
+    reply = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required")
+    assert reply.choices[0].message.content is None and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "length"
+    chunks = list(oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER_TOOL],
+                                              tool_choice="required", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="stop sequences could end a forced tool call"):
+        oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required",
+                                    stop=["}"])
 
 
 def test_openai_tool_choice_none_leaves_tools_out(oai, served):
@@ -362,7 +380,7 @@ def test_anthropic_follow_up_renders_tool_use_and_result(claude, served):
 
 
 def test_anthropic_tool_choice_tool(claude, served):
-    _script(served, '{"city": "Oslo"}}</tool_call>')
+    _script(served, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     message = claude.messages.create(model="tiny", max_tokens=50, messages=QUESTION,
                                      tools=[{"name": "get_weather", "input_schema": {"type": "object"}}],
                                      tool_choice={"type": "tool", "name": "get_weather"})

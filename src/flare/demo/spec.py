@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 # Bump when the corpus, tokenizer, template or training changes, so cached builds are rebuilt.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 
 @dataclass(frozen=True)

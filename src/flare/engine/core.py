@@ -31,9 +31,13 @@ class InvalidRequest(ValueError):
 
 
 class TokenMasker(Protocol):
-    """Grammar-constrained decoding plugs in here: the tokens a request may sample next."""
+    """Grammar-constrained decoding plugs in here: the tokens a request may sample next
+    (`flare.engine.structured_output.StructuredOutputs`)."""
 
     def constrains(self, request: Request) -> bool: ...
+
+    def admit(self, request: Request) -> None:
+        """Prepare a new constrained request; raises ValueError (with the reason) for one it cannot constrain."""
 
     def next_token_mask(self, request: Request) -> np.ndarray:
         """int32 [ceil(V / 32)] for the token after the request's received ones (step.ScheduledRow.token_mask)."""
@@ -115,8 +119,19 @@ class EngineCore:
 
     def _queue(self, engine_request: EngineRequest) -> None:
         request = Request(engine_request, next(self._arrivals))
+        if request.params.grammar is not None:
+            self._admit_constrained(request)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+
+    def _admit_constrained(self, request: Request) -> None:
+        if self.token_masker is None:
+            raise InvalidRequest("this engine has no vocabulary for constrained decoding (it was built "
+                                 "without a tokenizer); send the request without a grammar")
+        try:
+            self.token_masker.admit(request)
+        except ValueError as error:
+            raise InvalidRequest(str(error)) from None
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop requests (unknown or finished ids are ignored) and free their pages at once."""

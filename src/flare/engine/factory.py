@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ class LoadedModel:
     device: str = "cpu"
     dtype: str = "float32"
     compile_layers: bool = True         # on CUDA, compile the decoder layers (False: --no-compile packages)
+    tokenizer_dir: str | None = None    # the tokenizer's files: the vocabulary grammars compile against
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     eos = merge_token_ids(model_config.eos_token_ids, generation_eos_token_ids(directory), extra_eos_token_ids)
     if engine_config is None:
         engine_config = default_engine_config(model_config.max_position_embeddings)
-    return LoadedModel(model_config, model, eos, engine_config, device, dtype)
+    return LoadedModel(model_config, model, eos, engine_config, device, dtype, tokenizer_dir=str(directory))
 
 
 def generation_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
@@ -127,12 +129,16 @@ def default_engine_config(max_position_embeddings: int) -> EngineConfig:
                         prefill_chunk=512, max_num_batched_tokens=2048, max_model_len=max_model_len)
 
 
-def build_core(loaded: LoadedModel, seed: int | None = None):
-    """The EngineCore that runs `loaded`; on CUDA its layers are compiled and its decode steps captured."""
+def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Callable[[], Any] | None = None):
+    """The EngineCore that runs `loaded`; on CUDA its layers are compiled and its decode steps captured.
+
+    Constrained decoding compiles grammars against the tokenizer `load_tokenizer` returns (a Hugging Face
+    tokenizer; default: the one in `loaded.tokenizer_dir`), called at the first constrained request."""
     import torch
 
     from flare.engine.core import EngineCore
     from flare.engine.runner import ModelRunner
+    from flare.engine.structured_output import StructuredOutputs
 
     from flare.engine.cuda_graphs import runs_triton_attention
 
@@ -143,5 +149,15 @@ def build_core(loaded: LoadedModel, seed: int | None = None):
         compile_model(loaded.model)
     runner = ModelRunner(loaded.model, loaded.model_config, loaded.engine_config, loaded.device,
                          getattr(torch, loaded.dtype), seed, graphs=fast)
-    return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids)
+    if load_tokenizer is None and loaded.tokenizer_dir is not None:
+        load_tokenizer = partial(_hf_tokenizer, loaded.tokenizer_dir)
+    structured = (StructuredOutputs(load_tokenizer, runner.vocab_size, loaded.eos_token_ids)
+                  if load_tokenizer is not None else None)
+    return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids, token_masker=structured)
+
+
+def _hf_tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 

@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
 
 MAX_LOGIT_BIAS = 1024       # entries per request (the device sampler's table width; vLLM's limit too)
 
 
 class InvalidSamplingParams(ValueError):
     """A sampling value a user can get wrong; the message names the field and the accepted range."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the reply must match, as text a grammar compiler reads: plain data, so it crosses to the core.
+
+    json_schema: `source` is the schema as JSON text (`strict`: no properties beyond those declared);
+    json_object: any JSON object (no source); regex / ebnf: the pattern or the grammar;
+    structural_tag: an xgrammar structural tag as JSON text (tool calls in a model's own syntax).
+    The frontend builds and validates specs (`flare.frontend.grammar`); the engine core compiles them
+    against the model's vocabulary (`flare.engine.structured_output`)."""
+
+    kind: GrammarKind
+    source: str = ""
+    strict: bool = True
 
 
 @dataclass(frozen=True)
@@ -32,6 +50,7 @@ class SamplingParams:
                                       # of the raw model distribution (before penalties, bias, temperature)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # constrained decoding: every sampled token keeps the reply matching
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

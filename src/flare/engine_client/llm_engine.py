@@ -35,7 +35,7 @@ class LLMEngine:
 
         tokenizer = load_tokenizer(directory)
         loaded = load_checkpoint_model(directory, engine_config, device, dtype, tokenizer.eos_token_ids)
-        return cls(build_core(loaded, seed), tokenizer)
+        return cls(build_core(loaded, seed, lambda: tokenizer.hf), tokenizer)
 
     @classmethod
     def from_model(cls, model, model_config, tokenizer: Tokenizer, engine_config: EngineConfig,
@@ -46,7 +46,7 @@ class LLMEngine:
 
         eos = tuple(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
         loaded = LoadedModel(model_config, model, eos, engine_config, device, dtype)
-        return cls(build_core(loaded, seed), tokenizer)
+        return cls(build_core(loaded, seed, lambda: tokenizer.hf), tokenizer)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
         """Queue a request; a text prompt is tokenized with the tokenizer's special tokens (e.g. BOS)."""

@@ -13,7 +13,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flare.frontend.tool_parsers import DEFAULT_PARSER, parser_name_for_directory
+from flare.frontend.reasoning import parser_name_for_template as reasoning_parser_for_template
+from flare.frontend.reasoning import reasoning_parser_for_directory
+from flare.frontend.tool_parsers import DEFAULT_PARSER, parser_name_for_directory, parser_name_for_template
 
 PLAIN_TEMPLATE = (
     "{{ bos_token }}"
@@ -46,7 +48,7 @@ def _raise(message: str):
 
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", from_model: bool = True,
-                 tool_parser: str = DEFAULT_PARSER) -> None:
+                 tool_parser: str = DEFAULT_PARSER, reasoning_parser: str | None = None) -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -60,6 +62,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.tool_parser = tool_parser           # the format this model writes tool calls in (tool_parsers)
+        self.reasoning_parser = reasoning_parser # how its reasoning block is read (reasoning); None: it has none
         self._template = env.from_string(source)
 
     @classmethod
@@ -78,7 +81,12 @@ class ChatTemplate:
             source = named.get("default") or next(iter(named.values()), None)
         return cls(source or PLAIN_TEMPLATE, _token_text(config.get("bos_token")),
                    _token_text(config.get("eos_token")), from_model=source is not None,
-                   tool_parser=parser_name_for_directory(directory))
+                   tool_parser=parser_name_for_template(source) or parser_name_for_directory(directory),
+                   reasoning_parser=reasoning_parser_for_directory(directory) or reasoning_parser_for_template(source))
+
+    def reads(self, variable: str) -> bool:
+        """Whether the template reads this variable (a switch such as `enable_thinking`)."""
+        return self.from_model and re.search(rf"\b{re.escape(variable)}\b", self.source) is not None
 
     @property
     def supports_tools(self) -> bool:

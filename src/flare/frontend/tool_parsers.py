@@ -109,9 +109,17 @@ class ToolParser:
         """The calls in `text`, which begins at a marker; None when any of it is malformed."""
         raise NotImplementedError
 
-    def forced_prefix(self, name: str | None) -> str:
-        """Text that begins the reply when a call is required (of the named function, if given)."""
-        raise NotImplementedError
+    # How a call is written, for the grammar that forces one (`flare.frontend.tool_grammar`): the text
+    # before its arguments (with the function's name, JSON-escaped), after them, between two calls,
+    # and around the whole list of calls.
+    call_opening = ""
+    call_closing = ""
+    call_separator = ""
+    calls_opening = ""
+    calls_closing = ""
+
+    def call_begin(self, name: str) -> str:
+        return self.call_opening.replace("{name}", json.dumps(name, ensure_ascii=False)[1:-1])
 
     def history_call_id(self, call_id: str) -> str:
         """A call id from the conversation's history as the chat template accepts it."""
@@ -136,9 +144,9 @@ class HermesParser(ToolParser):
             end = match.end()
         return calls or None
 
-    def forced_prefix(self, name: str | None) -> str:
-        head = '<tool_call>\n{"name": "'
-        return head + f'{name}", "arguments":' if name else head
+    call_opening = '<tool_call>\n{"name": "{name}", "arguments": '
+    call_closing = "}\n</tool_call>"
+    call_separator = "\n"
 
 
 class Llama3JsonParser(ToolParser):
@@ -151,8 +159,9 @@ class Llama3JsonParser(ToolParser):
         calls = [_call_from(value) for value in values or []]
         return calls if calls and all(calls) else None
 
-    def forced_prefix(self, name: str | None) -> str:
-        return f'{{"name": "{name}", "parameters":' if name else '{"name": "'
+    call_opening = '{"name": "{name}", "parameters": '
+    call_closing = "}"
+    call_separator = "; "
 
 
 class MistralParser(ToolParser):
@@ -189,9 +198,11 @@ class MistralParser(ToolParser):
         # Mistral's templates refuse any id that is not 9 letters or digits; clients echo ours (call_<hex>).
         return re.sub(r"[^A-Za-z0-9]", "", call_id)[-9:].rjust(9, "0")
 
-    def forced_prefix(self, name: str | None) -> str:
-        head = '[TOOL_CALLS][{"name": "'
-        return head + f'{name}", "arguments":' if name else head
+    call_opening = '{"name": "{name}", "arguments": '
+    call_closing = "}"
+    call_separator = ", "
+    calls_opening = "[TOOL_CALLS]["
+    calls_closing = "]"
 
 
 PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in
@@ -222,6 +233,15 @@ def parser_name_for_family(family: str | None) -> str:
     return PARSER_OF_FAMILY.get(family or "", DEFAULT_PARSER)
 
 
+def parser_name_for_template(source: str | None) -> str | None:
+    """The format a chat template teaches, when its text writes one format's marker (a fine-tune may
+    teach another format than its family's: the demo model is a Llama that speaks hermes)."""
+    for name in ("mistral", "llama3_json", "hermes"):
+        if source and PARSERS[name].markers[0] in source:
+            return name
+    return None
+
+
 def parser_name_for_directory(directory: Path) -> str:
     """The format for the model whose frontend assets (with its config.json) are in `directory`.
 
@@ -245,15 +265,16 @@ class ToolCallStream:
     """Splits streamed text into what can be shown now and a trailing tool-call section.
 
     Text streams until a marker appears; from the marker on, the text is held until the end and then
-    parsed. A held section that turns out not to be a call is released as text."""
+    parsed. A held section that turns out not to be a call is released as text, unless the call was
+    `forced`: then the whole reply is the call, and a reply cut short (by max_tokens) shows no text,
+    streamed or not (`parse_reply` reads it the same way)."""
 
-    def __init__(self, parser: ToolParser, prefix: str = "") -> None:
+    def __init__(self, parser: ToolParser, forced: bool = False) -> None:
         self.parser = parser
+        self.forced = forced
         self.buffer = ""
         self.shown = 0                # characters of `buffer` already handed out as text
-        self.in_call = False
-        if prefix:
-            self.feed(prefix)
+        self.in_call = forced
 
     def feed(self, text: str) -> str:
         """Add newly generated text; returns the part that is plain text for sure."""
@@ -271,8 +292,11 @@ class ToolCallStream:
         held = self.buffer[self.shown:]
         if not self.in_call:
             return ParsedOutput(self._show(len(self.buffer)))
-        calls = self.parser.parse_calls(held)
-        return ParsedOutput("", tuple(calls)) if calls else ParsedOutput(self._show(len(self.buffer)))
+        start = self.parser.start(held)
+        calls = self.parser.parse_calls(held[start:]) if start >= 0 and not held[:start].strip() else None
+        if calls:
+            return ParsedOutput("", tuple(calls))
+        return ParsedOutput("") if self.forced else ParsedOutput(self._show(len(self.buffer)))
 
     def _show(self, end: int) -> str:
         text = self.buffer[self.shown:end]
@@ -310,11 +334,10 @@ class ToolRequest:
     def template_tools(self) -> list[dict] | None:
         return list(self.tools) if self.active else None
 
-    def reply_prefix(self, parser: ToolParser) -> str:
-        """The opening of a call, written into the prompt, when the reply must call a tool."""
-        if not self.active or self.choice not in ("required", "function"):
-            return ""
-        return parser.forced_prefix(self.function)
+    @property
+    def forced(self) -> bool:
+        """The reply must call a tool (a grammar makes it: `tool_grammar`)."""
+        return self.active and self.choice in ("required", "function")
 
     def keep(self, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
         return calls if self.parallel else calls[:1]

@@ -239,7 +239,23 @@ def _frontend(package: Package) -> dict:
     return {"payload": frontend.payload, "assets": assets,
             "tokenizer_class": tokenizer_config.get("tokenizer_class"),
             "bos_token": tokenizer_config.get("bos_token"), "eos_token": tokenizer_config.get("eos_token"),
-            "chat_template": has_template if package.trust else None}
+            "chat_template": has_template if package.trust else None, **_reply_parsers(package)}
+
+
+def _reply_parsers(package: Package) -> dict:
+    """How replies are read and constrained: the tool-call and reasoning parsers the served template and
+    the recipe choose, and the grammar backend (as `flare run` picks them from the same assets)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from flare.frontend.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_dir(package.frontend_dir())
+    try:
+        backend = f"xgrammar {version('xgrammar')}"
+    except PackageNotFoundError:
+        backend = None
+    return {"tool_parser": template.tool_parser if template.supports_tools else None,
+            "reasoning_parser": template.reasoning_parser, "grammar_backend": backend}
 
 
 # --- text --------------------------------------------------------------------------------------
@@ -325,7 +341,10 @@ def sections(report: dict) -> list[Section]:
         frontend = report["frontend"]
         rows = [("tokenizer", _text(frontend["tokenizer_class"])), ("bos / eos",
                 f"{_text(frontend['bos_token'])} / {_text(frontend['eos_token'])}"),
-                ("chat template", _text(frontend["chat_template"]))]
+                ("chat template", _text(frontend["chat_template"])),
+                ("tool parser", _text(frontend["tool_parser"]) if frontend["tool_parser"] else "- (no tools)"),
+                ("reasoning parser", _text(frontend["reasoning_parser"]) if frontend["reasoning_parser"] else "-"),
+                ("grammar backend", _text(frontend["grammar_backend"]) if frontend["grammar_backend"] else "-")]
         rows += [(asset["name"], format_bytes(asset["size"]) if asset["size"] is not None else "-")
                  for asset in frontend["assets"]]
         result.append(Section("Frontend", rows))

@@ -168,6 +168,7 @@ class Recipe:
     speculation: Speculation
     sampling: SamplingDefaults
     image_support: bool = False
+    reasoning_parser: str | None = None      # how the family's reasoning block is read (frontend/reasoning.py)
     version: int = 1
     # Decoder projections `ignition export --online-mxfp8` may store as FP8 (checkpoint names: q_proj,
     # ...); a recipe naming none rejects the flag.

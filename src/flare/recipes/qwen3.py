@@ -72,4 +72,5 @@ RECIPE = Recipe(
                             note="Qwen3 dense ships no draft model"),
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
+    reasoning_parser="qwen3",                  # <think>...</think>, switched by the template's enable_thinking
 )

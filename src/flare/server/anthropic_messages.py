@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from flare.frontend.chat_template import ChatTemplateError
-from flare.frontend.tool_parsers import (ParsedOutput, ToolCall, ToolCallStream, ToolRequest, function_tool,
-                                         new_call_id, tool_call_chunks)
+from flare.frontend.reply import Reply, ReplyReader
+from flare.frontend.tool_parsers import ToolCall, ToolRequest, function_tool, new_call_id, tool_call_chunks
 from flare.server import sse
 from flare.server.admission import RequestFields
 from flare.server.errors import bad_request
-from flare.server.generation import (Completion, Generation, RequestedSampling, new_id, parse_reply,
-                                     with_tool_tokens)
+from flare.server.generation import Completion, Generation, RequestedSampling, new_id, with_tool_tokens
 from flare.server.schemas import AnthropicBlock, AnthropicCountTokensRequest, AnthropicMessagesRequest
 
 _SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
@@ -114,19 +113,24 @@ def tool_request(body: AnthropicCountTokensRequest) -> ToolRequest:
                        not choice.disable_parallel_tool_use)
 
 
+def _thinking(body: AnthropicCountTokensRequest) -> bool | None:
+    return None if body.thinking is None else body.thinking.type != "disabled"
+
+
 def prompt_ids(gen: Generation, body: AnthropicCountTokensRequest) -> tuple[list[int], ToolRequest, Any, str]:
-    """The prompt's token ids, the request's tools and their parser, and the reply's forced opening."""
+    """The prompt's token ids and text, the request's tools and their parser."""
     messages = template_messages(body)
     tools = tool_request(body)
     parser = gen.tool_parser(tools, "tools")
     # A final assistant turn is a prefill: the answer continues it (Anthropic semantics).
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    template_kwargs = gen.thinking_kwargs(_thinking(body), None, "thinking")
     try:
-        ids, prefix = gen.encode_chat(messages, tools, parser, add_generation_prompt=not prefill,
-                                      continue_final_message=prefill)
+        ids, prompt_text = gen.encode_chat(messages, tools, parser, add_generation_prompt=not prefill,
+                                           continue_final_message=prefill, **template_kwargs)
     except ChatTemplateError as error:
         raise bad_request(str(error), param="messages") from None
-    return ids, tools, parser, prefix
+    return ids, tools, parser, prompt_text
 
 
 async def count_tokens(gen: Generation, body: AnthropicCountTokensRequest) -> dict:
@@ -144,19 +148,23 @@ def _stop(completion: Completion, called: bool = False) -> tuple[str, str | None
 
 
 async def create(gen: Generation, body: AnthropicMessagesRequest) -> dict | AsyncIterator[str]:
-    ids, tools, parser, prefix = await gen.off_loop(prompt_ids, gen, body)
+    ids, tools, parser, prompt_text = await gen.off_loop(prompt_ids, gen, body)
     max_tokens = gen.admit(len(ids), body.max_tokens, RequestFields("messages", "max_tokens", "anthropic"))
+    reader = gen.reply_reader(tools, parser, prompt_text, _thinking(body))
+    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+    stop = tuple(s for s in body.stop_sequences or () if s)
     requested = RequestedSampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, stop=tuple(s for s in body.stop_sequences or () if s))
+                                  top_k=body.top_k, stop=stop,
+                                  grammar=gen.reply_grammar(None, reader, budget if reader.reasoning else None, stop))
     params = gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)
     message_id = new_id("msg_")
     if body.stream:
-        return _stream(gen, body, message_id, ids, params, (parser, tools, prefix))
+        return _stream(gen, body, message_id, ids, params, reader)
     completion = (await gen.complete(message_id, [ids], params))[0]
-    parsed = parse_reply(completion.text, parser, tools, prefix)
-    stop_reason, stop_sequence = _stop(completion, bool(parsed.tool_calls))
+    reply = reader.read(completion.text)
+    stop_reason, stop_sequence = _stop(completion, bool(reply.tool_calls))
     return {"id": message_id, "type": "message", "role": "assistant", "model": body.model,
-            "content": _content_blocks(parsed), "stop_reason": stop_reason,
+            "content": _content_blocks(reply, reader.tools.forced), "stop_reason": stop_reason,
             "stop_sequence": stop_sequence, "usage": _usage(len(ids), completion)}
 
 
@@ -164,9 +172,11 @@ def _tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": new_call_id("toolu_"), "name": call.name, "input": call.input}
 
 
-def _content_blocks(parsed: ParsedOutput) -> list[dict]:
-    text = [{"type": "text", "text": parsed.text}] if parsed.text or not parsed.tool_calls else []
-    return text + [_tool_use(call) for call in parsed.tool_calls]
+def _content_blocks(reply: Reply, forced: bool) -> list[dict]:
+    thinking = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else []
+    shown = reply.text or not (reply.tool_calls or forced or thinking)
+    text = [{"type": "text", "text": reply.text}] if shown else []
+    return thinking + text + [_tool_use(call) for call in reply.tool_calls]
 
 
 def _usage(prompt: int, completion: Completion) -> dict:
@@ -177,38 +187,35 @@ def _usage(prompt: int, completion: Completion) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-async def _stream(gen, body, message_id, ids, params, reading) -> AsyncIterator[str]:
+async def _stream(gen, body, message_id, ids, params, reader: ReplyReader) -> AsyncIterator[str]:
     def event(kind: str, **fields: Any) -> str:
         return sse.named_event({"type": kind, **fields})
 
-    parser, tools, prefix = reading
-    splitter = ToolCallStream(parser, prefix) if parser is not None else None
-    blocks = 0                                    # content blocks started so far
     yield event("message_start", message={
         "id": message_id, "type": "message", "role": "assistant", "model": body.model, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(ids), "output_tokens": 0}})
     yield event("ping")
+    blocks = _Blocks(event)
+    splitter = reader.stream()
     completion = Completion()
     async for _, output in gen.stream(message_id, [ids], params):
         completion.add(output)
-        text = splitter.feed(output.new_text) if splitter is not None else output.new_text
-        if text:
-            if not blocks:
-                blocks = 1
-                yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
-    parsed = splitter.finish() if splitter is not None else ParsedOutput("")
-    calls = tools.keep(parsed.tool_calls)
-    if parsed.text or (not blocks and not calls):  # a reply with no tool call always has its text block
-        if not blocks:
-            blocks = 1
-            yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-        if parsed.text:
-            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": parsed.text})
-    if blocks:
-        yield event("content_block_stop", index=0)
-    for index, call in enumerate(calls, start=blocks):
+        reasoning, text = splitter.feed(output.new_text)
+        for line in blocks.thinking(reasoning) + blocks.text(text):
+            yield line
+    rest = splitter.finish()
+    for line in blocks.thinking(rest.reasoning) + blocks.text(rest.text):
+        yield line
+    calls = rest.tool_calls
+    if blocks.count == 0 and not (calls or reader.tools.forced):   # a reply without a call has a text block
+        for line in blocks.text("", force=True):
+            yield line
+    for line in blocks.close():
+        yield line
+    for call in calls:
+        index = blocks.count
+        blocks.count += 1
         yield event("content_block_start", index=index,
                     content_block={"type": "tool_use", "id": new_call_id("toolu_"), "name": call.name, "input": {}})
         for piece in tool_call_chunks(call.arguments):
@@ -219,3 +226,46 @@ async def _stream(gen, body, message_id, ids, params, reading) -> AsyncIterator[
     yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                 usage=_usage(len(ids), completion))
     yield event("message_stop")
+
+
+class _Blocks:
+    """The thinking and text blocks of a streamed message: one open at a time, in order."""
+
+    def __init__(self, event) -> None:
+        self.event = event
+        self.count = 0                     # blocks started so far
+        self.open: str | None = None       # "thinking" | "text"
+
+    def thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        lines = self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        return lines + [self.event("content_block_delta", index=self.count - 1,
+                                   delta={"type": "thinking_delta", "thinking": text})]
+
+    def text(self, text: str, force: bool = False) -> list[str]:
+        if not text and not force:
+            return []
+        lines = self._start("text", {"type": "text", "text": ""})
+        if text:
+            lines.append(self.event("content_block_delta", index=self.count - 1,
+                                    delta={"type": "text_delta", "text": text}))
+        return lines
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        lines = []
+        if self.open == "thinking":        # the signature comes just before a thinking block stops
+            lines.append(self.event("content_block_delta", index=self.count - 1,
+                                    delta={"type": "signature_delta", "signature": ""}))
+        self.open = None
+        return lines + [self.event("content_block_stop", index=self.count - 1)]
+
+    def _start(self, kind: str, block: dict) -> list[str]:
+        if self.open == kind:
+            return []
+        lines = self.close()
+        self.open = kind
+        self.count += 1
+        return lines + [self.event("content_block_start", index=self.count - 1, content_block=block)]

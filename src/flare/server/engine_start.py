@@ -57,7 +57,8 @@ def start_in_process(model: ServedModel, engine_config: Any, device: str, stages
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
     with stages.stage(STAGE_ALLOCATE) as stage:
         eos = merge_token_ids(cfg.eos_token_ids, eos_token_ids_of(model.frontend_dir, None))
-        core = build_core(LoadedModel(cfg, network, eos, engine_config, device, model.dtype))
+        core = build_core(LoadedModel(cfg, network, eos, engine_config, device, model.dtype,
+                                      tokenizer_dir=str(model.frontend_dir)))
         tokenizer = load_tokenizer(model.frontend_dir)
         stage.note(_pool_note(engine_config))
     return ThreadedEngine(LLMEngine(core, tokenizer)), tokenizer
@@ -76,7 +77,8 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
     from flare.server.package_model import load_package_model
 
     factory = ModelFactory(load_package_model, (str(model.package_path), engine_config, device, model.dtype,
-                                                tuple(eos_token_ids_of(model.frontend_dir, None))))
+                                                tuple(eos_token_ids_of(model.frontend_dir, None))),
+                           {"tokenizer_dir": str(model.frontend_dir)})
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-tokenizer") as loader:
         tokenizer = loader.submit(load_tokenizer, model.frontend_dir)
         connection = CoreConnection.spawn(factory, profile_dir=profile_dir)

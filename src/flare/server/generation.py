@@ -14,10 +14,13 @@ from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from flare.engine.core import InvalidRequest
 from flare.engine.outputs import RequestOutput, TokenLogprob
+from flare.engine.sampling_params import GrammarSpec, InvalidSamplingParams, SamplingParams
 from flare.engine_client.protocol import EngineDeadError
-from flare.frontend.tool_parsers import (DEFAULT_PARSER, ParsedOutput, ToolParser, ToolRequest, get_parser,
-                                         with_history_ids)
-from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from flare.frontend.grammar import GrammarError, reply_grammar
+from flare.frontend.reasoning import get_reasoning_parser
+from flare.frontend.reply import ReplyReader
+from flare.frontend.tool_grammar import forced_calls_format
+from flare.frontend.tool_parsers import DEFAULT_PARSER, ToolParser, ToolRequest, get_parser, with_history_ids
 from flare.server.admission import RequestFields, admit
 from flare.server.error_handlers import unexpected
 from flare.server.errors import APIError, bad_request, public_reason
@@ -56,6 +59,7 @@ class RequestedSampling:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    grammar: GrammarSpec | None = None          # constrained decoding (flare.frontend.grammar)
 
 
 @dataclass
@@ -172,17 +176,70 @@ class Generation:
 
     def encode_chat(self, messages: Sequence[dict], tools: ToolRequest, parser: ToolParser | None,
                     **template_kwargs: Any) -> tuple[list[int], str]:
-        """The prompt's token ids and the opening of the reply written into it (when a call is required).
-
-        The opening is encoded with the rendered prompt, not apart: a SentencePiece tokenizer would
-        otherwise start it with a word-start space the model never saw there."""
-        prefix = tools.reply_prefix(parser) if parser is not None else ""
+        """The prompt's token ids and its text (the text says whether the reply starts inside reasoning)."""
         history_parser = parser or get_parser(getattr(self.frontend.chat_template, "tool_parser", DEFAULT_PARSER))
         messages = with_history_ids(list(messages), history_parser)
-        if not prefix:
-            return self.frontend.encode_chat(messages, tools=tools.template_tools(), **template_kwargs), ""
         text = self.frontend.chat_template.render(messages, tools=tools.template_tools(), **template_kwargs)
-        return self.frontend.encode(text + prefix, add_special_tokens=False), prefix
+        # The template writes the special tokens (BOS) itself; adding them again would double them.
+        return self.frontend.encode(text, add_special_tokens=False), text
+
+    # ---- structured replies ----------------------------------------------------------------------
+
+    def thinking_kwargs(self, thinking: bool | None, effort: str | None, effort_param: str) -> dict:
+        """Template arguments for a request's thinking switch (Qwen3's `enable_thinking`) and effort
+        (`reasoning_effort`); a setting the template cannot honour is refused by name."""
+        template = self.frontend.chat_template
+        found: dict[str, Any] = {}
+        if thinking is not None:
+            if not template.reads("enable_thinking") and template.reasoning_parser is None:
+                raise bad_request("this model does not reason (its chat template has no thinking switch and "
+                                  "it writes no reasoning block); leave out the thinking setting", param="thinking")
+            if template.reads("enable_thinking"):
+                found["enable_thinking"] = thinking
+        if effort is not None:
+            if not template.reads("reasoning_effort"):
+                raise bad_request("this model's chat template does not read reasoning_effort; leave it out",
+                                  param=effort_param)
+            found["reasoning_effort"] = effort
+        return found
+
+    def reply_reader(self, tools: ToolRequest, parser: ToolParser | None, prompt_text: str,
+                     thinking: bool | None = None) -> ReplyReader:
+        reasoning = get_reasoning_parser(getattr(self.frontend.chat_template, "reasoning_parser", None))
+        if reasoning is None or thinking is False:
+            return ReplyReader(tools, parser)
+        return ReplyReader(tools, parser, reasoning, reasoning.starts_inside(prompt_text))
+
+    def reply_grammar(self, content: GrammarSpec | None, reader: ReplyReader, reasoning_budget: int | None = None,
+                      stop: Sequence[str] = ()) -> GrammarSpec | None:
+        """The grammar of the reply: its content format and/or a forced tool call, after the model's
+        reasoning block when it reasons; refused with a 400 naming the field that cannot be enforced.
+
+        A forced call then always completes unless max_tokens cuts it (finish reason "length"), so stop
+        strings, which could cut it silently, are refused beside it."""
+        try:
+            calls = None
+            if reader.tools.forced and stop:
+                raise GrammarError("stop sequences could end a forced tool call before it is complete; leave "
+                                   "them out or let tool_choice be \"auto\"", "stop")
+            if reader.tools.forced:
+                if content is not None:
+                    raise GrammarError("a forced tool call leaves no reply to format: drop the response format "
+                                       "or let tool_choice be \"auto\"", "tool_choice")
+                calls = forced_calls_format(reader.tool_parser, reader.tools, self._marker_token(reader.tool_parser))
+            prefix = None
+            if reader.reasoning is not None and (calls is not None or content is not None or reasoning_budget):
+                prefix = reader.reasoning.reasoning_format(reader.starts_in_reasoning, reasoning_budget)
+            return reply_grammar(content, calls, prefix)
+        except GrammarError as error:
+            raise bad_request(str(error), param=error.param) from None
+
+    def _marker_token(self, parser: ToolParser) -> int | None:
+        """The id of the parser's call marker when the tokenizer has it as one added (special) token."""
+        hf = getattr(getattr(self.frontend, "tokenizer", None), "hf", None)
+        if not parser.keeps_special_tokens or hf is None:
+            return None
+        return hf.get_added_vocab().get(parser.markers[0])
 
     # ---- sampling --------------------------------------------------------------------------------
 
@@ -212,7 +269,8 @@ class Generation:
                                   include_stop_str_in_output=requested.include_stop_str_in_output,
                                   skip_special_tokens=requested.skip_special_tokens,
                                   logit_bias=_logit_bias(self.frontend, requested.logit_bias), logprobs=requested.logprobs,
-                                  prompt_logprobs=requested.prompt_logprobs, **values)
+                                  prompt_logprobs=requested.prompt_logprobs, grammar=requested.grammar,
+                                  **values)
         except InvalidSamplingParams as error:
             raise bad_request(str(error)) from None
 
@@ -321,16 +379,6 @@ def usage_numbers(completions: Sequence[Completion], prompt_len: int) -> tuple[i
     completion_tokens = sum(len(c.token_ids) for c in completions)
     cached = max((c.num_cached_tokens for c in completions), default=0)
     return prompt_len, completion_tokens, cached
-
-
-def parse_reply(text: str, parser: ToolParser | None, tools: ToolRequest, prefix: str = "") -> ParsedOutput:
-    """A finished reply split into text and tool calls (all text when tools are not in play)."""
-    if parser is None:
-        return ParsedOutput(text)
-    parsed = parser.parse(prefix + text)
-    if not parsed.tool_calls:
-        return ParsedOutput(text)        # the forced opening is not the model's own text
-    return ParsedOutput(parsed.text, tools.keep(parsed.tool_calls))
 
 
 def with_tool_tokens(requested: RequestedSampling, parser: ToolParser | None) -> RequestedSampling:

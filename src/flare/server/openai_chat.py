@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 from flare.frontend.chat_template import RENDER_ARGUMENTS, ChatTemplateError
-from flare.frontend.tool_parsers import (ToolCall, ToolCallStream, ToolParser, ToolRequest, call_arguments, function_tool,
-                                         new_call_id, tool_call_chunks)
+from flare.frontend.reply import ReplyReader
+from flare.frontend.tool_parsers import (ToolCall, ToolParser, ToolRequest, call_arguments, function_tool, new_call_id,
+                                         tool_call_chunks)
 from flare.server import sse
 from flare.server.admission import RequestFields
+from flare.server.constraints import openai_content_grammar
 from flare.server.errors import bad_request
-from flare.server.generation import Generation, new_id, parse_reply, usage_numbers, with_tool_tokens
+from flare.server.generation import Generation, new_id, usage_numbers, with_tool_tokens
 from flare.server.openai_common import StreamChunks, chat_logprobs, requested_sampling, usage
 from flare.server.schemas import ChatCompletionRequest, ChatMessage
 
@@ -70,19 +73,26 @@ def prompt_ids(gen: Generation, body: ChatCompletionRequest) -> list[int]:
     return _encode(gen, body, tool_request(body), None)[0]
 
 
+def _thinking(body: ChatCompletionRequest) -> bool | None:
+    """The request's thinking switch: chat_template_kwargs' enable_thinking (vLLM's convention)."""
+    value = (body.chat_template_kwargs or {}).get("enable_thinking")
+    return value if isinstance(value, bool) else None
+
+
 def _encode(gen: Generation, body: ChatCompletionRequest, tools: ToolRequest,
             parser: ToolParser | None) -> tuple[list[int], str]:
-    """The prompt's token ids, and the opening of the reply written into it when a call is required."""
+    """The prompt's token ids and text."""
     reused = sorted(RENDER_ARGUMENTS & set(body.chat_template_kwargs or ()))
     if reused:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reused)}: the server passes "
                           f"{'that' if len(reused) == 1 else 'those'} to the chat template itself (set the "
                           f"request's own fields instead)", param="chat_template_kwargs")
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    template_kwargs.update(gen.thinking_kwargs(None, body.reasoning_effort, "reasoning_effort"))
     try:
         return gen.encode_chat(template_messages(body.messages), tools, parser,
                                add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message,
-                               **(body.chat_template_kwargs or {}))
+                               continue_final_message=body.continue_final_message, **template_kwargs)
     except ChatTemplateError as error:
         raise bad_request(str(error), param="messages") from None
 
@@ -95,35 +105,40 @@ def openai_tool_calls(calls: tuple[ToolCall, ...]) -> list[dict]:
 async def create(gen: Generation, body: ChatCompletionRequest) -> dict | AsyncIterator[str]:
     tools = tool_request(body)
     parser = gen.tool_parser(tools, "tools")
-    ids, prefix = await gen.off_loop(_encode, gen, body, tools, parser)
+    ids, prompt_text = await gen.off_loop(_encode, gen, body, tools, parser)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = gen.admit(len(ids), max_tokens, RequestFields("messages", field))
+    reader = gen.reply_reader(tools, parser, prompt_text, _thinking(body))
     requested = with_tool_tokens(requested_sampling(body, max_tokens, logprobs), parser)
+    requested = replace(requested, grammar=gen.reply_grammar(openai_content_grammar(body), reader,
+                                                             stop=requested.stop))
     params = gen.sampling_params(requested, max_tokens, body.n)
     # vLLM's `echo`: the reply repeats the final assistant message it continues
     echo_text = message_text(body.messages[-1]) if body.echo and body.messages[-1].role == "assistant" else ""
     request_id = new_id("chatcmpl-")
-    reading = (parser, tools, prefix)
     if body.stream:
-        return _stream(gen, body, request_id, ids, params, logprobs, echo_text, reading)
-    return await _complete(gen, body, request_id, ids, params, logprobs, echo_text, reading)
+        return _stream(gen, body, request_id, ids, params, logprobs, echo_text, reader)
+    return await _complete(gen, body, request_id, ids, params, logprobs, echo_text, reader)
 
 
-async def _complete(gen, body, request_id, ids, params, logprobs, echo_text, reading) -> dict:
+async def _complete(gen, body, request_id, ids, params, logprobs, echo_text, reader: ReplyReader) -> dict:
     completions = await gen.complete(request_id, [ids] * len(params), params)
     choices = []
     for index, completion in enumerate(completions):
-        parsed = parse_reply(completion.text, *reading)
-        finish_reason = "tool_calls" if parsed.tool_calls else completion.finish_reason
-        content = echo_text + parsed.text
+        reply = reader.read(completion.text)
+        finish_reason = "tool_calls" if reply.tool_calls else completion.finish_reason
+        content = echo_text + reply.text
+        message = {"role": "assistant", "content": content if content or not (reply.tool_calls or reader.tools.forced)
+                   else None, "refusal": None, "tool_calls": openai_tool_calls(reply.tool_calls)}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
         choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": content if content or not parsed.tool_calls else None,
-                        "refusal": None, "tool_calls": openai_tool_calls(parsed.tool_calls)},
+            "message": message,
             "logprobs": chat_logprobs(gen.frontend, completion.logprobs, logprobs) if logprobs is not None else None,
             "finish_reason": finish_reason,
             "stop_reason": completion.stop_reason,
@@ -133,36 +148,36 @@ async def _complete(gen, body, request_id, ids, params, logprobs, echo_text, rea
             "choices": choices, "usage": usage(prompt, generated, cached), "system_fingerprint": None}
 
 
-async def _stream(gen, body, request_id, ids, params, logprobs, echo_text, reading) -> AsyncIterator[str]:
+async def _stream(gen, body, request_id, ids, params, logprobs, echo_text, reader: ReplyReader) -> AsyncIterator[str]:
     chunk = StreamChunks(request_id, "chat.completion.chunk", body)
 
+    def delta(index: int, fields: dict, lp=None, finish_reason=None) -> str:
+        return chunk([{"index": index, "delta": fields, "logprobs": lp, "finish_reason": finish_reason}])
+
     for index in range(len(params)):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": echo_text}, "logprobs": None,
-                      "finish_reason": None}])
+        yield delta(index, {"role": "assistant", "content": echo_text})
     generated = 0
     cached = 0
-    parser, tools, prefix = reading
-    splitters = [ToolCallStream(parser, prefix) if parser is not None else None for _ in params]
+    splitters = [reader.stream() for _ in params]
     async for index, output in gen.stream(request_id, [ids] * len(params), params):
         generated += len(output.new_token_ids)
         cached = max(cached, output.num_cached_tokens)
-        splitter = splitters[index]
-        text = splitter.feed(output.new_text) if splitter is not None else output.new_text
+        reasoning, text = splitters[index].feed(output.new_text)
+        if reasoning:
+            yield delta(index, {"reasoning_content": reasoning})
         if text or output.new_logprobs:
             lp = chat_logprobs(gen.frontend, output.new_logprobs, logprobs) if logprobs is not None else None
-            yield chunk([{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}])
+            yield delta(index, {"content": text}, lp)
         if output.finished:
-            finish_reason = output.finish_reason
-            if splitter is not None:
-                parsed = splitter.finish()
-                if parsed.text:
-                    yield chunk([{"index": index, "delta": {"content": parsed.text}, "logprobs": None,
-                                  "finish_reason": None}])
-                for call_index, call in enumerate(tools.keep(parsed.tool_calls)):
-                    for delta in _call_deltas(call_index, call):
-                        yield chunk([{"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
-                                      "finish_reason": None}])
-                    finish_reason = "tool_calls"
+            rest = splitters[index].finish()
+            if rest.reasoning:
+                yield delta(index, {"reasoning_content": rest.reasoning})
+            if rest.text:
+                yield delta(index, {"content": rest.text})
+            for call_index, call in enumerate(rest.tool_calls):
+                for call_delta in _call_deltas(call_index, call):
+                    yield delta(index, {"tool_calls": [call_delta]})
+            finish_reason = "tool_calls" if rest.tool_calls else output.finish_reason
             yield chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
                           "stop_reason": output.stop_reason}])
     if chunk.include_usage:

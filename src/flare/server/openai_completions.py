@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Sequence
 
 from flare.engine.outputs import TokenLogprob
 from flare.server import sse
 from flare.server.admission import RequestFields
+from flare.server.constraints import openai_content_grammar
 from flare.server.errors import bad_request
 from flare.server.generation import Generation, check_token_ids, new_id
 from flare.server.limits import MAX_CHOICES
@@ -90,7 +92,8 @@ async def create(gen: Generation, body: CompletionRequest) -> dict | AsyncIterat
     limits = [gen.admit(len(ids), body.max_tokens, RequestFields("prompt", "max_tokens")) for ids in prompts]
     logprobs = body.logprobs
     prompt_logprobs = logprobs if (body.echo and logprobs is not None) else None
-    requested = requested_sampling(body, body.max_tokens, logprobs, prompt_logprobs)
+    requested = replace(requested_sampling(body, body.max_tokens, logprobs, prompt_logprobs),
+                        grammar=openai_content_grammar(body))
     # choice index = prompt index * n + sample index, as OpenAI numbers them
     jobs = [(ids, params) for ids, limit in zip(prompts, limits)
             for params in gen.sampling_params(requested, limit, body.n)]

@@ -6,13 +6,13 @@ import time
 from typing import Any, AsyncIterator
 
 from flare.frontend.chat_template import ChatTemplateError
-from flare.frontend.tool_parsers import (ParsedOutput, ToolCall, ToolCallStream, ToolRequest, call_arguments,
-                                         function_tool, new_call_id, tool_call_chunks)
+from flare.frontend.reply import ReplyReader
+from flare.frontend.tool_parsers import ToolCall, ToolRequest, call_arguments, function_tool, new_call_id, tool_call_chunks
 from flare.server import sse
 from flare.server.admission import RequestFields
 from flare.server.errors import bad_request
-from flare.server.generation import (Completion, Generation, RequestedSampling, new_id, parse_reply,
-                                     with_tool_tokens)
+from flare.server.constraints import responses_content_grammar
+from flare.server.generation import Completion, Generation, RequestedSampling, new_id, with_tool_tokens
 from flare.server.openai_common import token_entry
 from flare.server.schemas import ResponsesRequest
 
@@ -119,7 +119,12 @@ class _Response:
         self.body = body
         self.id = response_id
         self.message_id = message_id
+        self.reasoning_id = new_id("rs_")
         self.created_at = int(time.time())
+
+    def reasoning(self, text: str) -> dict:
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "status": "completed",
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def function_call(self, call: ToolCall) -> dict:
         return {"id": new_id("fc_"), "type": "function_call", "status": "completed", "call_id": new_call_id("call_"),
@@ -141,15 +146,26 @@ class _Response:
                 "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "previous_response_id": None,
                 "metadata": body.metadata or {}, "incomplete_details": incomplete, "error": None,
-                "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+                "text": {"format": _text_format(body)}, "truncation": "disabled", "store": False,
                 "background": False, "usage": usage}
 
 
 def _encode(gen: Generation, body: ResponsesRequest, tools: ToolRequest, parser) -> tuple[list[int], str]:
+    effort = (body.reasoning or {}).get("effort")
     try:
-        return gen.encode_chat(template_messages(body), tools, parser)
+        return gen.encode_chat(template_messages(body), tools, parser,
+                               **gen.thinking_kwargs(None, effort, "reasoning.effort"))
     except ChatTemplateError as error:
         raise bad_request(str(error), param="input") from None
+
+
+def _text_format(body: ResponsesRequest) -> dict:
+    """The response's `text.format`: the request's, as it asked for it."""
+    requested = body.text.format if body.text is not None else None
+    if requested is None or requested.type != "json_schema":
+        return {"type": requested.type if requested is not None else "text"}
+    return {"type": "json_schema", "name": requested.name, "schema": requested.schema_,
+            "description": requested.description, "strict": requested.strict}
 
 
 async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterator[str]:
@@ -159,98 +175,102 @@ async def create(gen: Generation, body: ResponsesRequest) -> dict | AsyncIterato
                           param="previous_response_id")
     tools = tool_request(body)
     parser = gen.tool_parser(tools, "tools")
-    ids, prefix = await gen.off_loop(_encode, gen, body, tools, parser)
+    ids, prompt_text = await gen.off_loop(_encode, gen, body, tools, parser)
     max_tokens = gen.admit(len(ids), body.max_output_tokens, RequestFields("input", "max_output_tokens"))
     want_logprobs = body.top_logprobs is not None or LOGPROBS_INCLUDE in (body.include or [])
     top_k = body.top_logprobs or 0
+    reader = gen.reply_reader(tools, parser, prompt_text)
     requested = RequestedSampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                   seed=body.seed, ignore_eos=body.ignore_eos,
-                                  logprobs=top_k if want_logprobs else None)
+                                  logprobs=top_k if want_logprobs else None,
+                                  grammar=gen.reply_grammar(responses_content_grammar(body), reader))
     params = gen.sampling_params(with_tool_tokens(requested, parser), max_tokens)
     response = _Response(body, new_id("resp_"), new_id("msg_"))
     if body.stream:
-        return _stream(gen, response, ids, params, want_logprobs, top_k, (parser, tools, prefix))
+        return _stream(gen, response, ids, params, want_logprobs, top_k, reader)
     completion = (await gen.complete(response.id, [ids], params))[0]
     logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
-    parsed = parse_reply(completion.text, parser, tools, prefix)
-    calls = [response.function_call(call) for call in parsed.tool_calls]
-    return _final(response, completion, logprobs, len(ids), parsed.text, calls)
+    reply = reader.read(completion.text)
+    calls = [response.function_call(call) for call in reply.tool_calls]
+    reasoning = [response.reasoning(reply.reasoning)] if reply.reasoning else []
+    return _final(response, completion, logprobs, len(ids), reply.text, reasoning + calls,
+                  show_text=bool(reply.text) or not (calls or reader.tools.forced))
 
 
 def _final(response: _Response, completion: Completion, logprobs: list | None, prompt_len: int, text: str,
-           calls: list[dict], show_text: bool | None = None) -> dict:
-    """The finished response: its message (when it has text, or nothing else to show), then its calls."""
+           items: list[dict], show_text: bool) -> dict:
+    """The finished response: its reasoning, its message (when shown), then its calls."""
     status = "incomplete" if completion.finish_reason == "length" else "completed"
-    show_text = bool(text) or not calls if show_text is None else show_text
-    output = ([response.message(text, logprobs, status)] if show_text else []) + calls
+    reasoning = [item for item in items if item["type"] == "reasoning"]
+    calls = [item for item in items if item["type"] != "reasoning"]
+    output = reasoning + ([response.message(text, logprobs, status)] if show_text else []) + calls
     return response.envelope("completed", output, _usage(prompt_len, len(completion.token_ids),
                                                          completion.num_cached_tokens), completion.finish_reason)
 
 
-async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, top_k: int,
-                  reading) -> AsyncIterator[str]:
-    sequence = 0
+class _Events:
+    """The numbered SSE events of one streamed response, and the output items opened so far."""
 
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal sequence
-        payload = {"type": kind, "sequence_number": sequence, **fields}
-        sequence += 1
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.items = 0                       # output items opened so far
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
         return sse.named_event(payload)
 
-    parser, tools, prefix = reading
-    splitter = ToolCallStream(parser, prefix) if parser is not None else None
-    located = {"item_id": response.message_id, "output_index": 0}
-    empty_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    def open(self, item: dict, part: dict | None) -> tuple[int, list[str]]:
+        """Open an output item (and its first content part): its output index and the events."""
+        index, self.items = self.items, self.items + 1
+        events = [self("response.output_item.added", output_index=index, item=item)]
+        if part is not None:
+            events.append(self("response.content_part.added", item_id=item["id"], output_index=index,
+                               content_index=0, part=part))
+        return index, events
+
+
+async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, top_k: int,
+                  reader: ReplyReader) -> AsyncIterator[str]:
+    event = _Events()
     yield event("response.created", response=response.envelope("in_progress", [], None))
     yield event("response.in_progress", response=response.envelope("in_progress", [], None))
-    message_open = False
-
-    def open_message():
-        yield event("response.output_item.added", output_index=0,
-                    item={"id": response.message_id, "type": "message", "status": "in_progress",
-                          "role": "assistant", "content": []})
-        yield event("response.content_part.added", **located, content_index=0, part=empty_part)
-
-    if splitter is None:                       # without tools the message is the whole reply: open it at once
-        message_open = True
-        for opening in open_message():
-            yield opening
+    thinking = _OpenPart(event, "reasoning", response.reasoning_id)
+    message = _OpenPart(event, "message", response.message_id)
+    splitter = reader.stream()
     completion = Completion()
-    text = ""
     async for _, output in gen.stream(response.id, [ids], params):
         completion.add(output)
-        shown = splitter.feed(output.new_text) if splitter is not None else output.new_text
-        if shown and not message_open:
-            message_open = True
-            for opening in open_message():
-                yield opening
-        text += shown
-        if message_open and (shown or output.new_logprobs):
-            delta_logprobs = _logprobs(gen, output.new_logprobs, top_k) if want_logprobs else []
-            yield event("response.output_text.delta", **located, content_index=0, delta=shown,
-                        logprobs=delta_logprobs)
-    parsed = splitter.finish() if splitter is not None else ParsedOutput("")
-    calls = tools.keep(parsed.tool_calls)
-    if parsed.text or not (message_open or calls):
-        if not message_open:
-            message_open = True
-            for opening in open_message():
-                yield opening
-        if parsed.text:
-            yield event("response.output_text.delta", **located, content_index=0, delta=parsed.text, logprobs=[])
-            text += parsed.text
+        reasoning, shown = splitter.feed(output.new_text)
+        for line in thinking.add(reasoning):
+            yield line
+        if shown or (output.new_logprobs and message.index is not None):
+            for line in thinking.close():
+                yield line
+            for line in message.add(shown, _logprobs(gen, output.new_logprobs, top_k) if want_logprobs else []):
+                yield line
+    rest = splitter.finish()
+    for line in thinking.add(rest.reasoning):
+        yield line
+    for line in thinking.close():
+        yield line
+    calls = rest.tool_calls
+    if rest.text or (message.index is None and not (calls or reader.tools.forced)):
+        for line in message.add(rest.text, [], force=True):
+            yield line
     logprobs = _logprobs(gen, completion.logprobs, top_k) if want_logprobs else None
     call_items = [response.function_call(call) for call in calls]
-    final = _final(response, completion, logprobs, len(ids), text, call_items, show_text=message_open)
-    if message_open:
-        item = final["output"][0]
-        yield event("response.output_text.done", **located, content_index=0, text=text, logprobs=logprobs or [])
-        yield event("response.content_part.done", **located, content_index=0, part=item["content"][0])
-        yield event("response.output_item.done", output_index=0, item=item)
-    for output_index, (call, item) in enumerate(zip(calls, call_items), start=int(message_open)):
-        added = dict(item, status="in_progress", arguments="")
-        yield event("response.output_item.added", output_index=output_index, item=added)
+    reasoning_items = [response.reasoning(thinking.text)] if thinking.text else []
+    final = _final(response, completion, logprobs, len(ids), message.text, reasoning_items + call_items,
+                   show_text=message.index is not None)
+    if message.index is not None:
+        for line in message.close(final["output"][len(reasoning_items)], logprobs or []):
+            yield line
+    for call, item in zip(calls, call_items):
+        output_index, opened = event.open(dict(item, status="in_progress", arguments=""), None)
+        for line in opened:
+            yield line
         for piece in tool_call_chunks(call.arguments):
             yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=output_index,
                         delta=piece)
@@ -259,3 +279,51 @@ async def _stream(gen, response: _Response, ids, params, want_logprobs: bool, to
         yield event("response.output_item.done", output_index=output_index, item=item)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield event(kind, response=final)
+
+
+class _OpenPart:
+    """The reasoning item or the message while it streams: opened at its first text, closed once."""
+
+    KINDS = {"reasoning": ("reasoning_text", "response.reasoning_text"),
+             "message": ("output_text", "response.output_text")}
+
+    def __init__(self, event: _Events, kind: str, item_id: str) -> None:
+        self.event, self.kind, self.item_id = event, kind, item_id
+        self.part_type, self.prefix = self.KINDS[kind]
+        self.index: int | None = None
+        self.text = ""
+        self.closed = False
+
+    def _located(self) -> dict:
+        return {"item_id": self.item_id, "output_index": self.index, "content_index": 0}
+
+    def add(self, text: str, logprobs: list | None = None, force: bool = False) -> list[str]:
+        if (not text and not force) or self.closed:
+            return []
+        events = []
+        if self.index is None:
+            item = ({"id": self.item_id, "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+                    if self.kind == "reasoning" else
+                    {"id": self.item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []})
+            part = {"type": self.part_type, "text": ""}
+            if self.kind == "message":
+                part.update(annotations=[], logprobs=[])
+            self.index, events = self.event.open(item, part)
+        if text or logprobs:
+            fields = {"logprobs": logprobs or []} if self.kind == "message" else {}
+            events.append(self.event(f"{self.prefix}.delta", **self._located(), delta=text, **fields))
+        self.text += text
+        return events
+
+    def close(self, item: dict | None = None, logprobs: list | None = None) -> list[str]:
+        """The closing events; the reasoning item closes itself, the message with its final item."""
+        if self.index is None or self.closed:
+            return []
+        self.closed = True
+        if item is None:
+            item = {"id": self.item_id, "type": "reasoning", "summary": [], "status": "completed",
+                    "content": [{"type": "reasoning_text", "text": self.text}]}
+        fields = {"logprobs": logprobs or []} if self.kind == "message" else {}
+        return [self.event(f"{self.prefix}.done", **self._located(), text=self.text, **fields),
+                self.event("response.content_part.done", **self._located(), part=item["content"][0]),
+                self.event("response.output_item.done", output_index=self.index, item=item)]

@@ -25,8 +25,10 @@ def _load_compiled_artifacts(package) -> str:
 
 
 def load_package_model(package_path: str, engine_config: Any, device: str, dtype: str,
-                       extra_eos_token_ids: tuple[int, ...] = (), report: Report = ignore_progress):
-    """A `LoadedModel` for the package at `package_path` (already verified by the caller)."""
+                       extra_eos_token_ids: tuple[int, ...] = (), report: Report = ignore_progress,
+                       tokenizer_dir: str | None = None):
+    """A `LoadedModel` for the package at `package_path` (already verified by the caller); `tokenizer_dir`
+    holds the frontend's copy of the tokenizer files (the vocabulary grammars compile against)."""
     import torch
 
     from flare.engine.factory import LoadedModel, attention_backend, merge_token_ids
@@ -48,4 +50,4 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
         if compiled_note is not None:
             report(PrepareNote(compiled_note.result()))
     return LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
-                       device, dtype, compile_layers=package.plan.compile)
+                       device, dtype, compile_layers=package.plan.compile, tokenizer_dir=tokenizer_dir)

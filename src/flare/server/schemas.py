@@ -117,6 +117,28 @@ class ChatNamedToolChoice(_Body):
     function: _ChoiceName
 
 
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """Chat Completions `response_format`."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's `structured_outputs` extension: exactly one constraint on the reply."""
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -131,6 +153,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ChatNamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    reasoning_effort: str | None = None
 
 
 # ---- OpenAI Completions ------------------------------------------------------------------------
@@ -144,9 +169,24 @@ class CompletionRequest(SamplingFields):
     logprobs: TopLogprobs | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
 
 # ---- OpenAI Responses --------------------------------------------------------------------------
+
+class ResponsesTextFormat(_Body):
+    """Responses `text.format`: {"type": "text" | "json_object"} or {"type": "json_schema", "name", "schema", "strict"}."""
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = "response"
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Body):
+    format: ResponsesTextFormat | None = None
+
 
 class ResponsesRequest(_Body):
     model: str
@@ -166,6 +206,8 @@ class ResponsesRequest(_Body):
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool = True
+    text: ResponsesText | None = None
+    reasoning: dict[str, Any] | None = None           # {"effort": ...} for templates that read reasoning_effort
     # vLLM's extensions, for clients that tune them
     top_k: TopK | None = None
     min_p: MinP | None = None
@@ -202,12 +244,18 @@ class AnthropicToolChoice(_Body):
     disable_parallel_tool_use: bool = False
 
 
+class AnthropicThinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
 class AnthropicCountTokensRequest(_Body):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: Union[str, list[AnthropicBlock], None] = None
     tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):

@@ -1,0 +1,167 @@
+"""Grammar-constrained decoding in the engine core: a matcher per constrained request, the mask of the
+token it samples next, and the token it then sampled.
+
+The matcher lives here, beside the scheduler, because the mask for token N+1 depends on token N: the
+frontend validates a request's `GrammarSpec` where it enters (`flare.frontend.grammar`, a 400 naming
+what failed), and the core compiles it against the model's vocabulary with xgrammar (compiled grammars
+cached per spec by the compiler) and advances the matcher with every token the request samples.
+
+`StructuredOutputs` is the core's `TokenMasker` (`flare.engine.core`): the core admits each constrained
+request through it (a grammar that cannot be compiled is an InvalidRequest), and for every constrained
+row that samples asks `next_token_mask`, which first lets the matcher accept the tokens the request
+received since, then fills the bitmask (int32 `[ceil(V/32)]`, bit set = allowed). The plan carries it
+in `ScheduledRow.token_mask`; the runner applies it after penalties and bias (raw logprobs stay those
+of the model). A request whose grammar has terminated (it accepted a stop token and goes on only with
+`ignore_eos`) is no longer masked. Preemption keeps the matcher: output tokens survive it.
+
+Vocabulary: xgrammar's `TokenizerInfo` is built once, when the first constrained request arrives, from
+the Hugging Face tokenizer the core is given a loader for, padded to the model's vocabulary (ids the
+tokenizer lacks are never allowed). Stop tokens are the engine's EOS ids, so a finished grammar lets
+exactly those through.
+
+One step ahead and speculation (docs/architecture.md, "Constrained decoding"): the mask for step N+1
+needs token N on the host, so the core reads a masked row's ids before planning its next row. k draft
+tokens need k + 1 masks, one per position, filled by accepting the drafts in turn, and `rollback` of the
+rejected ones after verification.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flare.engine.request import Request
+from flare.engine.sampling_params import GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+
+# JSON replies (and tool-call arguments) are written on one line with ", " and ": " between elements, as
+# json.dumps does: a model cannot spend its tokens on blank space (a weak one would).
+def json_whitespace() -> dict:
+    """xgrammar's whitespace options for JSON replies (the frontend's check converts with the same)."""
+    return {"any_whitespace": False}
+
+
+class GrammarRefused(ValueError):
+    """A grammar the engine cannot compile against this model's vocabulary (the message says why)."""
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per mask row: one bit per token id."""
+    return -(-vocab_size // 32)
+
+
+def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
+    """The xgrammar CompiledGrammar of `spec` (the compiler caches each distinct input)."""
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(spec.source, strict_mode=spec.strict, **json_whitespace())
+    if spec.kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **json_whitespace())
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.source)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.source)
+    if spec.kind == "structural_tag":
+        return compiler.compile_structural_tag(spec.source)
+    raise GrammarRefused(f"unknown grammar kind {spec.kind!r}")
+
+
+@dataclass
+class _Matching:
+    matcher: Any                     # xgrammar.GrammarMatcher
+    num_accepted: int = 0            # output tokens the matcher has accepted
+    refused: bool = False            # it refused a token: the reply can only end
+
+
+class StructuredOutputs:
+    """The core's grammar matchers (`EngineCore`'s TokenMasker), one per constrained request.
+
+    A matcher is made when its request is admitted (`admit`: GrammarRefused if the grammar cannot be
+    compiled) and dropped with the request (held weakly by the request object). It catches up with
+    the request's output tokens when the next mask is asked for, so the core need not report each token.
+
+    `load_tokenizer` returns the Hugging Face tokenizer whose ids the model speaks; it is called once,
+    at the first constrained request (importing xgrammar and reading the vocabulary take seconds that
+    an engine serving no constrained request never pays)."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._compiler = None
+        self._matching: weakref.WeakKeyDictionary[Request, _Matching] = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        """Requests with a live matcher."""
+        return len(self._matching)
+
+    def constrains(self, request: Request) -> bool:
+        return request.params.grammar is not None
+
+    def admit(self, request: Request) -> None:
+        """A matcher for a new constrained request; GrammarRefused if its grammar cannot be compiled."""
+        import xgrammar
+
+        spec = request.params.grammar
+        compiler = self._compiler_for_vocabulary()
+        try:
+            compiled = compile_spec(compiler, spec)
+        except RuntimeError as error:                  # xgrammar reports a bad grammar this way
+            raise GrammarRefused(f"the {spec.kind} grammar cannot be compiled: {error}") from None
+        self._matching[request] = _Matching(xgrammar.GrammarMatcher(compiled))
+
+    def next_token_mask(self, request: Request) -> np.ndarray:
+        """int32 [ceil(V/32)], bit set = allowed, for the token after the request's output so far: all
+        allowed once the grammar has terminated (only `ignore_eos` goes on past its stop token)."""
+        matching = self._catch_up(request)
+        mask = np.full(bitmask_width(self.vocab_size), -1, dtype=np.int32)
+        if matching.refused:
+            return self._stop_only()
+        if not matching.matcher.is_terminated():
+            matching.matcher.fill_next_token_bitmask(torch.from_numpy(mask[None, :]))
+        return mask
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens (rejected draft tokens of speculative decoding)."""
+        matching = self._matching[request]
+        matching.matcher.rollback(num_tokens)
+        matching.num_accepted -= num_tokens
+
+    def _catch_up(self, request: Request) -> _Matching:
+        matching = self._matching[request]
+        for token_id in request.output_token_ids[matching.num_accepted:]:
+            if matching.refused or matching.matcher.is_terminated():
+                break
+            if not matching.matcher.accept_token(token_id):
+                # Cannot happen while masks are applied; if it does, the reply ends rather than go on unchecked.
+                logger.error("request %s: the grammar refused token %d its mask allowed; ending the reply",
+                             request.request_id, token_id)
+                matching.refused = True
+        matching.num_accepted = len(request.output_token_ids)
+        return matching
+
+    def _stop_only(self) -> np.ndarray:
+        mask = np.zeros(bitmask_width(self.vocab_size), dtype=np.uint32)
+        for token_id in self.stop_token_ids:
+            mask[token_id // 32] |= np.uint32(1 << (token_id % 32))
+        return mask.view(np.int32)
+
+    def _compiler_for_vocabulary(self):
+        if self._compiler is None:
+            import xgrammar
+
+            try:
+                info = xgrammar.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                               stop_token_ids=list(self.stop_token_ids) or None)
+            except Exception as error:                 # missing or unreadable tokenizer files
+                raise GrammarRefused(f"the engine cannot read the model's vocabulary for constrained decoding: "
+                                     f"{type(error).__name__}: {error}") from None
+            self._compiler = xgrammar.GrammarCompiler(info)
+        return self._compiler
