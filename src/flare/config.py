@@ -16,6 +16,7 @@ chosen value came from. Flare reads no environment variable for any of these set
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -320,9 +321,15 @@ def _prefill_chunk(value, key):
     return value
 
 
-def _milliseconds(value, key):
-    from flare.engine.policy import check_max_step_ms        # no torch: the policy module is plain Python
+def check_max_step_ms(value, where: str) -> float:
+    """A cadence bound: a finite number of milliseconds above zero (`where` names the flag or key)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{where}: {value!r} is not a cadence bound; write a finite number of milliseconds "
+                         "above 0, such as 25")
+    return float(value)
 
+
+def _milliseconds(value, key):
     return check_max_step_ms(value, key)
 
 

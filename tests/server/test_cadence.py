@@ -132,7 +132,7 @@ def test_the_startup_report_says_the_bound_and_the_metrics_show_it(on_gpu):
     config = EngineConfig(max_concurrency=16, num_pages=4096, max_model_len=4096, prefill_chunk=2048,
                           max_num_batched_tokens=4112, scheduler_policy=chosen.policy)
     pool = SimpleNamespace(floor=None, bytes=1 << 30, tokens=65536, pages=4096, page_size=16)
-    model = SimpleNamespace(canonical_id="org/model", weight_bytes=16 << 30)
+    model = SimpleNamespace(canonical_id="org/model", weight_bytes=16 << 30, kv_cache_dtype="auto")
     settings = SimpleNamespace(served_names=("model",), api_key=None)
     lines = startup_report(model, settings, pool, config, "http://127.0.0.1:8000", "cuda", chosen.note)
     assert "  cadence: steps beside decoding requests kept within 12 ms (--scheduler-max-step-ms 12.0; step " \

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from flare.engine.step_cost import StepCosts
+from flare.config import check_max_step_ms
 from flare.errors import UsageError
 
 SCHEDULER_POLICIES = ("balanced", "throughput")
@@ -126,9 +127,3 @@ def parse_scheduler_number(flag: str, text: str) -> float:
     return value
 
 
-def check_max_step_ms(value, where: str) -> float:
-    """A cadence bound: a finite number of milliseconds above zero (`where` names the flag or key)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise UsageError(f"{where}: {value!r} is not a cadence bound; write a finite number of milliseconds "
-                         "above 0, such as 25")
-    return float(value)

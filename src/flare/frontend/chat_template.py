@@ -159,3 +159,18 @@ def tool_history_as_text(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
             converted.append(entry)
         after_tool = is_tool or (merge and after_tool)
     return converted
+
+
+def reply_parsers(frontend_dir) -> dict:
+    """How replies are read and constrained, for `flare inspect --frontend`: the tool-call and reasoning
+    parsers the template and the recipe choose, and the grammar backend (as `flare run` picks them from
+    the same assets)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    template = ChatTemplate.from_dir(frontend_dir)
+    try:
+        backend = f"xgrammar {version('xgrammar')}"
+    except PackageNotFoundError:
+        backend = None
+    return {"tool_parser": template.tool_parser if template.supports_tools else None,
+            "reasoning_parser": template.reasoning_parser, "grammar_backend": backend}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import msgspec
 
@@ -30,7 +32,11 @@ class InspectOptions:
     tensor_parallel: int | None = None
 
 
-def build_report(package: Package, options: InspectOptions) -> dict:
+def build_report(package: Package, options: InspectOptions,
+                 reply_parsers: Callable[[Path], dict] = lambda frontend_dir: {}) -> dict:
+    """The report `flare inspect` prints. `reply_parsers` describes how replies are read from the
+    package's frontend assets (flare.frontend.chat_template.reply_parsers: the frontend sits above this
+    module, so the caller brings it)."""
     manifest = package.manifest
     deployment = _select_deployment(manifest, options.tensor_parallel)
     ranks = _select_ranks(deployment, options.rank)
@@ -47,7 +53,7 @@ def build_report(package: Package, options: InspectOptions) -> dict:
         report["graphs"] = [{"rank": rank.rank, "catalog": _catalog(package, rank),
                              "compiled": _compiled(package, rank)} for rank in ranks]
     if options.frontend or options.all:
-        report["frontend"] = _frontend(package)
+        report["frontend"] = _frontend(package, reply_parsers)
     if options.all:
         report["package"] = {"path": str(package.path), "form": package.form,
                              "format_version": manifest.format_version, "created": manifest.created,
@@ -227,7 +233,7 @@ def _memory_map(package: Package, ranks: tuple[Rank, ...]) -> list[dict]:
     return result
 
 
-def _frontend(package: Package) -> dict:
+def _frontend(package: Package, reply_parsers: Callable[[Path], dict]) -> dict:
     frontend = package.manifest.frontend
     assets = [{"name": name, "size": len(package.frontend_assets[name]) if name in package.frontend_assets
                else None} for name in frontend.assets]
@@ -239,23 +245,7 @@ def _frontend(package: Package) -> dict:
     return {"payload": frontend.payload, "assets": assets,
             "tokenizer_class": tokenizer_config.get("tokenizer_class"),
             "bos_token": tokenizer_config.get("bos_token"), "eos_token": tokenizer_config.get("eos_token"),
-            "chat_template": has_template if package.trust else None, **_reply_parsers(package)}
-
-
-def _reply_parsers(package: Package) -> dict:
-    """How replies are read and constrained: the tool-call and reasoning parsers the served template and
-    the recipe choose, and the grammar backend (as `flare run` picks them from the same assets)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from flare.frontend.chat_template import ChatTemplate
-
-    template = ChatTemplate.from_dir(package.frontend_dir())
-    try:
-        backend = f"xgrammar {version('xgrammar')}"
-    except PackageNotFoundError:
-        backend = None
-    return {"tool_parser": template.tool_parser if template.supports_tools else None,
-            "reasoning_parser": template.reasoning_parser, "grammar_backend": backend}
+            "chat_template": has_template if package.trust else None, **reply_parsers(package.frontend_dir())}
 
 
 # --- text --------------------------------------------------------------------------------------

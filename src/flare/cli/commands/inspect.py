@@ -30,6 +30,7 @@ def configure(parser):
 def run(args) -> int:
     import sys
     from flare.errors import UsageError
+    from flare.frontend.chat_template import reply_parsers
     from flare.package.inspect import InspectOptions, build_report, sections, to_json
     from flare.package.reader import open_package, open_unverified, resolve_target
     from flare.package.render import render
@@ -50,7 +51,7 @@ def run(args) -> int:
                                  offline=True, require_acceptance=False)
             package = open_package(path, trust)
         with package:
-            report = build_report(package, options)
+            report = build_report(package, options, reply_parsers)
     if args.json:
         print(to_json(report))
     else:
