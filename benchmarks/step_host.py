@@ -46,7 +46,8 @@ class StandInModel:
 
 
 def model_config():
-    return SimpleNamespace(vocab_size=VOCAB, num_key_value_heads=1, head_dim=1, num_hidden_layers=1)
+    return SimpleNamespace(vocab_size=VOCAB, num_key_value_heads=1, head_dim=1, num_hidden_layers=1,
+                           kv_cache_dtype="auto")
 
 
 def decode_budget(batch: int, context: int, steps: int) -> int:
