@@ -32,7 +32,6 @@ import torch
 
 from flare.engine.logprobs import gather_logprobs
 from flare.engine.outputs import TokenLogprob
-from flare.engine.request import Request
 from flare.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from flare.kernels import sampling_reference as reference
 from flare.kernels.sampling_reference import SAMPLING_EPS, SamplingTables, SlotParams
