@@ -280,11 +280,16 @@ def _storage_text(storage: dict[str, int] | None) -> str:
 
 
 def sections(report: dict) -> list[Section]:
+    """The report's boxes: the summary every inspection shows, then the parts asked for."""
+    return _summary_sections(report) + _detail_sections(report)
+
+
+def _summary_sections(report: dict) -> list[Section]:
     verification, model, capacities = report["verification"], report["model"], report["capacities"]
     mode = verification["mode"]
     trust_line = ("UNVERIFIED: not checked" if mode == "unverified" else
                   f"valid; {'accepted' if verification['accepted'] else 'not accepted yet'}")
-    result = [
+    return [
         Section("Model", [("name", model["served_names"][0] if model["served_names"] else model["model_id"]),
                           ("model id", model["model_id"]), ("served names", _text(model["served_names"])),
                           ("version", f"{model['model_key']}@{model['version']}"),
@@ -316,6 +321,10 @@ def sections(report: dict) -> list[Section]:
                        [[str(r["rank"]), format_bytes(r["weight_bytes"]), _storage_text(r["weight_storage"]),
                          format_bytes(r["fixed_bytes"]), _text(r["graph_count"])] for r in report["ranks"]])),
     ]
+
+
+def _detail_sections(report: dict) -> list[Section]:
+    result = []
     for rank_map in report.get("memory_map", []):
         result.append(Section(f"Memory map, rank {rank_map['rank']}",
                               table=(["payload", "kind", "bytes", "storage", "offset", "sha256"],
