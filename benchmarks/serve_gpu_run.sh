@@ -12,14 +12,14 @@
 #               sampling fields sent: the package's sampling defaults (as `vllm bench serve` sends none)
 #   sampledN    the same with explicit sampling, SAMPLING (default: --temperature 0.6 --top-p 0.9)
 #   greedyN     the same at --temperature 0
+#   jsonN       serveN with every reply constrained to a JSON schema (serve_bench --json-schema); with
+#               any json phase the checkpoint gets a byte-level tokenizer that spells JSON, for every phase
 #   poisson     Poisson arrivals at each of RATES (default 4,8,12,16 requests/s), ARRIVAL_S (default 30)
 #               seconds of arrivals per rate, no concurrency limit, explicit SAMPLING, SLO goodput for
 #               GOODPUT (default: ttft:1000 tpot:50)
 #   poisson-defaults  the same with the package's sampling defaults
 #   bound:MS    restart the server with --scheduler-max-step-ms MS (the cadence bound; later phases use it)
 #   policy:NAME restart the server with --scheduler-policy NAME (balanced, throughput; bound dropped)
-#   jsonN       the same with every reply constrained to a JSON schema (serve_bench --json-schema); with
-#               any json phase the checkpoint gets a byte-level tokenizer that spells JSON, for every phase
 #   long        8,000-token prompts, 1 token out: time to first token
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer

@@ -145,9 +145,9 @@ class EvenTokens:
     def constrains(self, request) -> bool:
         return request.request_id == "constrained"
 
-    def next_token_mask(self, request) -> np.ndarray:
-        self.asked += 1
-        return self.mask
+    def next_token_masks(self, requests, unread) -> np.ndarray:
+        self.asked += len(requests)
+        return np.stack([self.mask] * len(requests))
 
 
 def test_even_token_mask_layout():
@@ -169,3 +169,26 @@ def test_token_masks_reach_the_sampler_for_constrained_requests_only(one_step_ah
     masked = [row for s in core.runner.steps for row in s.rows if row.token_mask is not None]
     assert {row.request_id for row in masked} == {"constrained"} and len(masked) == masker.asked == 15
     assert all(row.samples for row in masked)
+
+
+@pytest.mark.parametrize("one_step_ahead", [False, True])
+def test_a_masked_step_is_planned_while_the_step_before_runs(one_step_ahead):
+    """The mask of step N+1 needs token N: one step ahead, the core plans N+1 before it reads N's ids, then
+    fills the masks and launches (the device waits only for the masks); the tokens do not change."""
+    from test_one_step_ahead import Ordered
+
+    config = EngineConfig(page_size=4, num_pages=64, max_model_len=64, one_step_ahead=one_step_ahead)
+    runner = Ordered(FakeRunner(config.page_size))
+    core = EngineCore(config, runner, token_masker=EvenTokens(FakeRunner.vocab_size))
+    schedule = core.scheduler.schedule
+    core.scheduler.schedule = lambda: (runner.events.append(("plan", None)), schedule())[1]
+    add(core, "constrained", prompt(7), max_tokens=15)
+    tokens = run_checked(core)["constrained"]
+    assert len(tokens) == 15 and all(t % 2 == 0 for t in tokens)
+    events = runner.events
+    overlapped = 0
+    for i, (kind, number) in enumerate(events):
+        if kind == "launch" and number > 0:
+            planned = max(j for j in range(i) if events[j][0] == "plan")
+            overlapped += planned < events.index(("result", number - 1)) < i
+    assert overlapped == (14 if one_step_ahead else 0)      # every decode step after the first token

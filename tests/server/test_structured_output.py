@@ -157,8 +157,11 @@ def test_langchain_with_structured_output(server):
     model = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="stories-tools", temperature=0,
                        max_tokens=200, max_retries=0)
     for method in ("json_schema", "function_calling"):
-        pet = model.with_structured_output(Pet, method=method).invoke("Describe a pet.")
+        structured = model.with_structured_output(Pet, method=method)
+        pet = structured.invoke("Describe a pet.")
         assert isinstance(pet, Pet)
+        streamed = list(structured.stream("Describe a pet."))     # partial objects, then the whole one
+        assert streamed and streamed[-1] == pet
 
 
 def test_vllm_structured_outputs_on_completions_and_chat(oai):

@@ -11,7 +11,7 @@ Hot path: keep it small.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,7 +23,7 @@ from flare.engine.kv_cache import KVCacheIntegrityError, PageAllocator
 from flare.engine.outputs import CoreOutput
 from flare.engine.request import EngineRequest, Request, RequestStatus, check_stop
 from flare.engine.scheduler import Scheduler, SchedulerOutput
-from flare.engine.step import PendingStep, ScheduledRow, StepPlan, StepRunner
+from flare.engine.step import PendingStep, ScheduledRow, StepPlan, StepResult, StepRunner
 
 
 class InvalidRequest(ValueError):
@@ -39,8 +39,10 @@ class TokenMasker(Protocol):
     def admit(self, request: Request) -> None:
         """Prepare a new constrained request; raises ValueError (with the reason) for one it cannot constrain."""
 
-    def next_token_mask(self, request: Request) -> np.ndarray:
-        """int32 [ceil(V / 32)] for the token after the request's received ones (step.ScheduledRow.token_mask)."""
+    def next_token_masks(self, requests: Sequence[Request], unread: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """int32 [len(requests), ceil(V / 32)] (step.ScheduledRow.token_mask): row i for the token after
+        request i's received output and then `unread[i]`, the ids a launched step sampled for it that the
+        core has not read in yet."""
 
 
 class Drafter(Protocol):
@@ -70,7 +72,7 @@ class EngineStats:
     page_integrity: str = "unchecked"
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Launched:
     """A step on its way: its plan, the request behind each row, and whether the next plan may be made
     before its ids arrive."""
@@ -79,14 +81,23 @@ class _Launched:
     requests: tuple[Request, ...]
     pending: PendingStep
     runs_ahead: bool
+    _result: StepResult | None = None
+
+    def read(self) -> StepResult:
+        """The step's answer (waits for it once)."""
+        if self._result is None:
+            self._result = self.pending.result()
+        return self._result
 
 
 class EngineCore:
     """`config.one_step_ahead`: plan and launch step N+1 before reading step N's ids (they stay on the
     device and feed step N+1 there), so the host's work overlaps the device's. Outputs are the same
     token for token; a request that finishes at step N wastes its row of step N+1. Steps whose requests
-    need their ids on the host before they are planned again (a token mask, draft tokens, a runner that
-    samples them on the host) are read before the next plan instead."""
+    need their ids on the host before they are planned again (draft tokens, a runner that samples them on
+    the host) are read before the next plan instead. A constrained request's mask needs its previous
+    token: the next step is planned first, then the previous step's ids are read, the masks filled and
+    the step launched (the device waits only for the masks)."""
 
     def __init__(self, config: EngineConfig, runner: StepRunner, eos_token_ids: Iterable[int] = (),
                  token_masker: TokenMasker | None = None, drafter: Drafter | None = None) -> None:
@@ -148,7 +159,7 @@ class EngineCore:
         """Launch the next step, then return the news of every request that got a token: from the step
         launched before it (one step ahead), or from this one when it cannot run ahead."""
         previous, self._in_flight = self._in_flight, None
-        launched = self._launch() if self.scheduler.has_unfinished() else None
+        launched = self._launch(previous) if self.scheduler.has_unfinished() else None
         outputs = self._receive(previous) if previous is not None else []
         if launched is not None:
             if self.config.one_step_ahead and launched.runs_ahead:
@@ -201,14 +212,15 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
 
-    def _launch(self) -> _Launched | None:
-        """Plan the next step and start it; the requests advance as if it had run already."""
+    def _launch(self, previous: _Launched | None) -> _Launched | None:
+        """Plan the next step and start it; the requests advance as if it had run already. `previous` is
+        the step still in flight, whose ids the next tokens' masks may need."""
         if self.drafter is not None:
             self._propose_drafts()
         scheduled = self.scheduler.schedule()
         if not scheduled.plan.rows:
             return None
-        plan = self._with_token_masks(scheduled)
+        plan = self._with_token_masks(scheduled, previous)
         pending = self.runner.launch(plan)
         runs_ahead, max_model_len = True, self.config.max_model_len
         for row, request in zip(plan.rows, scheduled.requests):
@@ -223,7 +235,7 @@ class EngineCore:
 
     def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
         """Whether the request's next row may be planned before this one's ids arrive."""
-        if row.draft_token_ids or row.token_mask is not None or self.drafter is not None:
+        if row.draft_token_ids or self.drafter is not None:
             return False
         if request.samples_ahead is None:                   # its params never change: ask once
             request.samples_ahead = self.runner.samples_ahead(request.params)
@@ -235,15 +247,26 @@ class EngineCore:
             constrained = self.token_masker is not None and self.token_masker.constrains(request)
             request.draft_token_ids = self.drafter.propose(request) if decoding and not constrained else ()
 
-    def _with_token_masks(self, scheduled: SchedulerOutput) -> StepPlan:
-        """The plan with the next-token masks of its constrained sampling rows."""
+    def _with_token_masks(self, scheduled: SchedulerOutput, previous: _Launched | None) -> StepPlan:
+        """The plan with the next-token masks of its constrained sampling rows. A row whose previous token
+        is still in flight waits for `previous`'s ids here (the only step that can hold it)."""
         plan, masker = scheduled.plan, self.token_masker
         if masker is None:
             return plan
-        rows = tuple(msgspec.structs.replace(row, token_mask=masker.next_token_mask(request)[None, :])
-                     if row.samples and masker.constrains(request) else row
-                     for row, request in zip(plan.rows, scheduled.requests))
-        return msgspec.structs.replace(plan, rows=rows)
+        masked = [i for i, (row, request) in enumerate(zip(plan.rows, scheduled.requests))
+                  if row.samples and masker.constrains(request)]
+        if not masked:
+            return plan
+        requests = [scheduled.requests[i] for i in masked]
+        unread = [()] * len(masked)
+        if previous is not None and any(request.num_pending_outputs for request in requests):
+            sampled = dict(zip(map(id, previous.requests), previous.read().token_ids))
+            unread = [sampled.get(id(request), ()) if request.num_pending_outputs else () for request in requests]
+        masks = masker.next_token_masks(requests, unread)
+        rows = list(plan.rows)
+        for i, mask in zip(masked, masks):
+            rows[i] = msgspec.structs.replace(rows[i], token_mask=mask[None, :])
+        return msgspec.structs.replace(plan, rows=tuple(rows))
 
     def _commit(self, request: Request) -> None:
         """Record the cached pages of the request's computed tokens whose ids are known. A retired request
@@ -263,7 +286,7 @@ class EngineCore:
     def _receive(self, launched: _Launched) -> list[CoreOutput]:
         """Wait for a launched step's ids and bring its requests up to date; the rows of requests that
         finished or were aborted meanwhile are waste, and dropped."""
-        result = launched.pending.result()
+        result = launched.read()
         outputs, finished = [], RequestStatus.FINISHED
         computed = 0
         for index, (row, request) in enumerate(zip(launched.plan.rows, launched.requests)):

@@ -17,6 +17,11 @@ row's id goes into its slot's `last_sampled`, the next decode's input. Padded ro
 sampler's padding slot (greedy, no penalties). The logits stay in the graph's static output buffer for
 rows that asked for logprobs, read before the next replay.
 
+Grammar masks are one more static buffer the sampler reads inside the graph (`bitmask`, int32
+[rows, ceil(V / 32)], xgrammar's layout): a step with constrained rows copies their masks in with the
+rows; every other row's mask allows every token (all bits set), so a step without constraints samples
+exactly as it would unmasked, and constrained decoding keeps the captured graph.
+
 On a CPU the same class runs the forward eagerly on the same static buffers (capture=False): the
 padding and bookkeeping are then testable without a GPU.
 """
@@ -69,6 +74,9 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, slots.max_pages, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        words = -(-slots.sampler.vocab_size // 32) if slots.sampler is not None else 1
+        self.bitmask = torch.full((largest, words), -1, dtype=torch.int32, device=device)
+        self._masked_rows = 0                   # leading rows of `bitmask` that hold a grammar's mask
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if slots.sampler is None or slots.sampler.padding_slot != slots.padding_row:
@@ -105,7 +113,8 @@ class DecodeGraphs:
         slots, positions = self.rows[0, :size], self.rows[1, :size]
         hidden = self.model(self.input_ids[:size], positions, self.kv_caches, self.metadata(size))
         logits = self.model.compute_logits(hidden)
-        token_ids = self.slots.sampler.sample(logits, slots, positions + 1)     # the id of the next position
+        token_ids = self.slots.sampler.sample(logits, slots, positions + 1,     # the id of the next position
+                                              self.bitmask[:size])
         self.slots.last_sampled.index_copy_(0, slots, token_ids)
         return hidden, logits, token_ids
 
@@ -128,9 +137,11 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def run(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rows [3, B] int64 (slot, position, host id or FROM_LAST_SAMPLED per row): copy in, pad, replay;
-        (hidden, logits, sampled ids) of the real rows."""
+    def run(self, rows: np.ndarray,
+            bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows [3, B] int64 (slot, position, host id or FROM_LAST_SAMPLED per row), and the rows' grammar
+        masks [B, ceil(V / 32)] int32 (None: no row is constrained): copy in, pad, replay; (hidden,
+        logits, sampled ids) of the real rows."""
         count = rows.shape[1]
         size = bucket_for(count, self.sizes)
         if size is None:
@@ -139,9 +150,22 @@ class DecodeGraphs:
         padded[0] = self.slots.padding_row
         padded[:, :count] = rows
         self.rows[:, :size].copy_(to_device(padded, self.rows.device))
+        self._copy_masks(bitmask)
         if self.capture:
             self.graphs[size].replay()
             hidden, logits, token_ids = self.outputs[size]
         else:
             hidden, logits, token_ids = self.forward(size)
         return hidden[:count], logits[:count], token_ids[:count]
+
+    def _copy_masks(self, bitmask: np.ndarray | None) -> None:
+        """Put this step's masks in the static buffer; rows a previous step masked allow every token again."""
+        if self._masked_rows:
+            self.bitmask[:self._masked_rows].fill_(-1)
+            self._masked_rows = 0
+        if bitmask is not None:
+            if bitmask.shape[1] != self.bitmask.shape[1]:
+                raise ValueError(f"a token mask of {bitmask.shape[1]} words, but this vocabulary needs "
+                                 f"{self.bitmask.shape[1]}")
+            self.bitmask[:len(bitmask)].copy_(to_device(bitmask, self.bitmask.device))
+            self._masked_rows = len(bitmask)

@@ -86,7 +86,7 @@ class ModelRunner:
         states = [self.slots.requests[row.slot] for row in plan.rows]
         pending = PendingResult(plan, states, [i for i, row in enumerate(plan.rows) if row.samples])
         if self._fits_graph(plan.rows):
-            hidden, logits, token_ids = self.graphs.run(decode_rows(plan, self.slots))
+            hidden, logits, token_ids = self.graphs.run(decode_rows(plan, self.slots), self._host_bitmask(plan.rows))
             query_start = list(range(len(plan.rows) + 1))
         else:
             inputs = flat_inputs(plan, self.slots, self.config.page_size)
@@ -107,19 +107,25 @@ class ModelRunner:
         return pending
 
     def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
-        """Decode rows only: one token each, sampled without a token mask (masked steps run eagerly)."""
+        """Decode rows only: one token each, sampled (grammar masks go into the graph's mask buffer)."""
         return (self.graphs is not None and len(rows) <= self.graphs.max_batch
-                and all(row.num_new_tokens == 1 and row.samples and row.token_mask is None for row in rows))
+                and all(row.num_new_tokens == 1 and row.samples for row in rows))
 
-    def _token_bitmask(self, rows: list[ScheduledRow]) -> torch.Tensor | None:
-        """The sampling rows' grammar bitmasks, [rows, ceil(V / 32)] int32 (-1: every token allowed)."""
+    def _host_bitmask(self, rows) -> np.ndarray | None:
+        """The rows' grammar bitmasks, [rows, ceil(V / 32)] int32 (-1: every token allowed); None when no
+        row has one."""
         if all(row.token_mask is None for row in rows):
             return None
         bitmask = np.full((len(rows), -(-self.vocab_size // 32)), -1, dtype=np.int32)
         for i, row in enumerate(rows):
             if row.token_mask is not None:
                 bitmask[i] = row.token_mask[0]
-        return to_device(bitmask, self.device)
+        return bitmask
+
+    def _token_bitmask(self, rows: list[ScheduledRow]) -> torch.Tensor | None:
+        """The sampling rows' grammar bitmasks on the device, for the sampler (None: no row has one)."""
+        bitmask = self._host_bitmask(rows)
+        return to_device(bitmask, self.device) if bitmask is not None else None
 
     def _logprobs(self, states: list[SlotRequest], logits: torch.Tensor, token_ids: torch.Tensor):
         """Logprobs of the raw model distribution for the sampling rows that asked, on their way to the host."""

@@ -7,12 +7,14 @@ what failed), and the core compiles it against the model's vocabulary with xgram
 cached per spec by the compiler) and advances the matcher with every token the request samples.
 
 `StructuredOutputs` is the core's `TokenMasker` (`flare.engine.core`): the core admits each constrained
-request through it (a grammar that cannot be compiled is an InvalidRequest), and for every constrained
-row that samples asks `next_token_mask`, which first lets the matcher accept the tokens the request
-received since, then fills the bitmask (int32 `[ceil(V/32)]`, bit set = allowed). The plan carries it
-in `ScheduledRow.token_mask`; the runner applies it after penalties and bias (raw logprobs stay those
-of the model). A request whose grammar has terminated (it accepted a stop token and goes on only with
-`ignore_eos`) is no longer masked. Preemption keeps the matcher: output tokens survive it.
+request through it (a grammar that cannot be compiled is an InvalidRequest), and for the constrained
+rows of a step that sample asks `next_token_masks`, which first lets each matcher accept the tokens its
+request received since (and the ids of the step in flight the core has not read in yet), then fills
+the bitmasks (int32 `[ceil(V/32)]` each, bit set = allowed) on xgrammar's threads, all rows at once.
+The plan carries them in `ScheduledRow.token_mask`; the device sampler applies them after penalties and
+bias, in the captured decode graph too (raw logprobs stay those of the model). A request whose grammar
+has terminated (it accepted a stop token and goes on only with `ignore_eos`) is no longer masked.
+Preemption keeps the matcher: output tokens survive it.
 
 Vocabulary: xgrammar's `TokenizerInfo` is built once, when the first constrained request arrives, from
 the Hugging Face tokenizer the core is given a loader for, padded to the model's vocabulary (ids the
@@ -20,9 +22,9 @@ tokenizer lacks are never allowed). Stop tokens are the engine's EOS ids, so a f
 exactly those through.
 
 One step ahead and speculation (docs/architecture.md, "Constrained decoding"): the mask for step N+1
-needs token N on the host, so the core reads a masked row's ids before planning its next row. k draft
-tokens need k + 1 masks, one per position, filled by accepting the drafts in turn, and `rollback` of the
-rejected ones after verification.
+needs token N on the host, so the core plans step N+1 while step N runs, then reads N's ids, fills the
+masks and launches N+1. k draft tokens need k + 1 masks, one per position, filled by accepting the
+drafts in turn, and `rollback` of the rejected ones after verification.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self._compiler = None
+        self._batch = None                 # xgrammar.BatchGrammarMatcher: fills a step's masks on its threads
         self._matching: weakref.WeakKeyDictionary[Request, _Matching] = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
@@ -117,16 +120,24 @@ class StructuredOutputs:
             raise GrammarRefused(f"the {spec.kind} grammar cannot be compiled: {error}") from None
         self._matching[request] = _Matching(xgrammar.GrammarMatcher(compiled))
 
-    def next_token_mask(self, request: Request) -> np.ndarray:
-        """int32 [ceil(V/32)], bit set = allowed, for the token after the request's output so far: all
-        allowed once the grammar has terminated (only `ignore_eos` goes on past its stop token)."""
-        matching = self._catch_up(request)
-        mask = np.full(bitmask_width(self.vocab_size), -1, dtype=np.int32)
-        if matching.refused:
-            return self._stop_only()
-        if not matching.matcher.is_terminated():
-            matching.matcher.fill_next_token_bitmask(torch.from_numpy(mask[None, :]))
-        return mask
+    def next_token_masks(self, requests: Sequence[Request], unread: Sequence[Sequence[int]]) -> np.ndarray:
+        """int32 [len(requests), ceil(V/32)], bit set = allowed: row i for the token after request i's
+        output so far and then `unread[i]` (ids sampled for it that its request has not received yet).
+        All allowed once a grammar has terminated (only `ignore_eos` goes on past its stop token)."""
+        masks = np.full((len(requests), bitmask_width(self.vocab_size)), -1, dtype=np.int32)
+        matchers, rows = [], []
+        for i, (request, ahead) in enumerate(zip(requests, unread)):
+            matching = self._catch_up(request, ahead)
+            if matching.refused:
+                masks[i] = self._stop_only()
+            elif not matching.matcher.is_terminated():
+                matchers.append(matching.matcher)
+                rows.append(i)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(torch.from_numpy(masks), rows[0])
+        elif matchers:
+            self._batch_matcher().batch_fill_next_token_bitmask(matchers, torch.from_numpy(masks), rows)
+        return masks
 
     def rollback(self, request: Request, num_tokens: int) -> None:
         """Forget the last `num_tokens` accepted tokens (rejected draft tokens of speculative decoding)."""
@@ -134,9 +145,14 @@ class StructuredOutputs:
         matching.matcher.rollback(num_tokens)
         matching.num_accepted -= num_tokens
 
-    def _catch_up(self, request: Request) -> _Matching:
+    def _catch_up(self, request: Request, unread: Sequence[int] = ()) -> _Matching:
+        """The request's matcher, having accepted its output so far and then `unread`."""
         matching = self._matching[request]
-        for token_id in request.output_token_ids[matching.num_accepted:]:
+        received = request.output_token_ids
+        if matching.num_accepted > len(received):
+            raise RuntimeError(f"request {request.request_id}: the grammar accepted {matching.num_accepted} "
+                               f"tokens ahead of the {len(received)} it received")
+        for token_id in [*received[matching.num_accepted:], *unread]:
             if matching.refused or matching.matcher.is_terminated():
                 break
             if not matching.matcher.accept_token(token_id):
@@ -144,8 +160,15 @@ class StructuredOutputs:
                 logger.error("request %s: the grammar refused token %d its mask allowed; ending the reply",
                              request.request_id, token_id)
                 matching.refused = True
-        matching.num_accepted = len(request.output_token_ids)
+        matching.num_accepted = len(received) + len(unread)
         return matching
+
+    def _batch_matcher(self):
+        if self._batch is None:
+            import xgrammar
+
+            self._batch = xgrammar.BatchGrammarMatcher()
+        return self._batch
 
     def _stop_only(self) -> np.ndarray:
         mask = np.zeros(bitmask_width(self.vocab_size), dtype=np.uint32)
