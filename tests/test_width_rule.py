@@ -127,7 +127,7 @@ def test_flare_runs_startup_report_says_which_floor_applied_and_why():
     from flare.engine.config import engine_config_for_pool
     from flare.server.launch import startup_report
 
-    model = SimpleNamespace(canonical_id="org/model", weight_bytes=16 * GiB)
+    model = SimpleNamespace(canonical_id="org/model", weight_bytes=16 * GiB, kv_cache_dtype="auto")
     settings = SimpleNamespace(served_names=("model",), api_key=None)
     for pool, expected in ((pool_for(40_000, concurrency=4), "  KV floor: 8,192 tokens per active request (the "
                                                              "specification's floor)"),

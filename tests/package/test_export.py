@@ -214,13 +214,13 @@ def test_a_failed_payload_stops_the_remaining_writes(export, monkeypatch):
     real_read, started = wt.read_checkpoint_group, []
     lock = threading.Lock()
 
-    def read_or_fail(names, files, dtype):
+    def read_or_fail(names, files, dtype, online_fp8=None):
         with lock:
             started.append(names[0])
             first = len(started) == 1
         if first:
             raise PreparationError("checkpoint tensor is corrupt")
-        return real_read(names, files, dtype)
+        return real_read(names, files, dtype, online_fp8)
 
     monkeypatch.setattr(wt, "read_checkpoint_group", read_or_fail)
     monkeypatch.setattr("flare.package.export.WRITE_WORKERS", 1)
