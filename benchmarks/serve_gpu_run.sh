@@ -29,7 +29,8 @@
 # /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
 # MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl),
 # EXPORT_FLAGS (more `ignition export` flags, e.g. "--online-mxfp8 --kv-cache-dtype fp8": FP8 weights and
-# an FP8 KV cache; recorded in device.txt and summary.json).
+# an FP8 KV cache; recorded in device.txt and summary.json), GATE (default 1: benchmarks/numerics_gate.sh
+# runs first, before anything holds the GPU; 0 skips it).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
@@ -69,6 +70,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
 echo "commit ${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"
 echo "export flags: ${EXPORT_FLAGS:-none}" | tee -a "$OUT/device.txt"
+
+if [ "${GATE:-1}" != 0 ]; then
+  log "numerics gate"
+  OUT=$OUT PY=$PY bash "$REPO/benchmarks/numerics_gate.sh"
+fi
 
 CKPT=$WORK/ckpt-${SHAPE/:/-}
 # WORK is scratch: an 8B checkpoint and its package take ~32 GB, so other shapes' checkpoints and
