@@ -21,6 +21,10 @@
 #   jsonN       the same with every reply constrained to a JSON schema (serve_bench --json-schema); with
 #               any json phase the checkpoint gets a byte-level tokenizer that spells JSON, for every phase
 #   long        8,000-token prompts, 1 token out: time to first token
+#   long32k     32,000-token prompts, 128 tokens out (LONG32K_OUT) at concurrency 1: time to first token, then
+#               time per output token with 32K of context (the package's context is the checkpoint's
+#               max_position_embeddings, 131,072 for llama-8b and 40,960 for qwen3-8b: the phase checks
+#               the served context holds prompt and output, and says so when it does not)
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
 #   profile-start  a restart with the engine's start under cProfile (--profile-startup): where it goes
@@ -198,6 +202,16 @@ for phase in $PHASES; do
     bound:*) restart_with "bound-${phase#bound:}" --scheduler-max-step-ms "${phase#bound:}" ;;
     policy:*) restart_with "policy-${phase#policy:}" --scheduler-policy "${phase#policy:}" ;;
     long) bench long --input-len 8000 --output-len 1 --concurrency 1 --min-prompts 6 --warmup-requests 1 ;;
+    long32k)
+      served_context=$(curl -sf "http://127.0.0.1:$PORT/v1/models" | "$PY" -c 'import json, sys
+print(max(m.get("max_model_len") or 0 for m in json.load(sys.stdin)["data"]))' 2>/dev/null)
+      if [ "${served_context:-0}" -lt $((32000 + ${LONG32K_OUT:-128})) ]; then
+        log "long32k skipped: the server holds ${served_context:-an unknown number of} tokens per request, " \
+            "not 32,000 + ${LONG32K_OUT:-128}"
+      else
+        bench long32k --input-len 32000 --output-len "${LONG32K_OUT:-128}" --concurrency 1 --min-prompts 4 \
+          --warmup-requests 1
+      fi ;;
     throughput) bench throughput --input-len 1000 --output-len 1000 --concurrency 256 --prompts-per-concurrency 1 \
                   --min-prompts 256 --warmup-requests 0 ;;
     restart) stop_server; log "flare run again"; start_server restart && restart_s=$startup_s ;;
