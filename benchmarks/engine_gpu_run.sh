@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # One device call for the engine's GPU path: GPU tests (kernels, graphs, compiled parity), the engine's
 # decode step on llama-8b in three modes, and the transformers peer. Results under $OUT.
-#   bash benchmarks/engine_gpu_run.sh [phases...]   (default: tests eager graphs hf compiled)
+#   bash benchmarks/engine_gpu_run.sh [phases...]   (default: gate tests eager graphs hf compiled; gate is
+#   benchmarks/numerics_gate.sh)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flare-engine-gpu}
 mkdir -p "$OUT"
-PHASES=${*:-tests eager graphs hf compiled}
+PHASES=${*:-gate tests eager graphs hf compiled}
 BATCHES=${BATCHES:-1,8,32,64}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 for phase in $PHASES; do
   echo "== $phase $(date -u +%H:%M:%S)"
   case $phase in
+    gate) OUT=$OUT bash benchmarks/numerics_gate.sh ;;
     tests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest ${TESTS:-tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_engine_gpu.py} \
              -q -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
     eager) timeout ${EAGER_TIMEOUT:-90} python3 benchmarks/decode_engine.py llama-8b --mode eager --batches "${EAGER_BATCHES:-$BATCHES}" \

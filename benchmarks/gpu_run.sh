@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One planned GPU session (about 6 minutes on an H200): the kernel tests on CUDA (bf16 included), the
+# One planned GPU session (about 8 minutes on an H200): the numerics gate, the kernel tests on CUDA (bf16 included), the
 # attention micro-benchmark, the llama-8b decode-step benchmark and the transformers peer.
 # Results go to $OUT (default /tmp/flare-gpu-run).
 set -uo pipefail
@@ -9,6 +9,8 @@ OUT=${OUT:-/tmp/flare-gpu-run}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+echo "== numerics gate"
+OUT=$OUT bash benchmarks/numerics_gate.sh
 echo "== kernel tests on CUDA"
 timeout 110 python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 echo "== attention kernels"

@@ -21,6 +21,10 @@
 #   bound:MS    restart the server with --scheduler-max-step-ms MS (the cadence bound; later phases use it)
 #   policy:NAME restart the server with --scheduler-policy NAME (balanced, throughput; bound dropped)
 #   long        8,000-token prompts, 1 token out: time to first token
+#   long32k     32,000-token prompts, 128 tokens out (LONG32K_OUT) at concurrency 1: time to first token, then
+#               time per output token with 32K of context (the package's context is the checkpoint's
+#               max_position_embeddings, 131,072 for llama-8b and 40,960 for qwen3-8b: the phase checks
+#               the served context holds prompt and output, and says so when it does not)
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
 #   profile-start  a restart with the engine's start under cProfile (--profile-startup): where it goes
@@ -29,7 +33,8 @@
 # /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
 # MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl),
 # EXPORT_FLAGS (more `ignition export` flags, e.g. "--online-mxfp8 --kv-cache-dtype fp8": FP8 weights and
-# an FP8 KV cache; recorded in device.txt and summary.json).
+# an FP8 KV cache; recorded in device.txt and summary.json), GATE (default 1: benchmarks/numerics_gate.sh
+# runs first, before anything holds the GPU; 0 skips it).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
@@ -69,6 +74,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 "$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
 echo "commit ${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"
 echo "export flags: ${EXPORT_FLAGS:-none}" | tee -a "$OUT/device.txt"
+
+if [ "${GATE:-1}" != 0 ]; then
+  log "numerics gate"
+  OUT=$OUT PY=$PY bash "$REPO/benchmarks/numerics_gate.sh"
+fi
 
 CKPT=$WORK/ckpt-${SHAPE/:/-}
 # WORK is scratch: an 8B checkpoint and its package take ~32 GB, so other shapes' checkpoints and
@@ -192,6 +202,16 @@ for phase in $PHASES; do
     bound:*) restart_with "bound-${phase#bound:}" --scheduler-max-step-ms "${phase#bound:}" ;;
     policy:*) restart_with "policy-${phase#policy:}" --scheduler-policy "${phase#policy:}" ;;
     long) bench long --input-len 8000 --output-len 1 --concurrency 1 --min-prompts 6 --warmup-requests 1 ;;
+    long32k)
+      served_context=$(curl -sf "http://127.0.0.1:$PORT/v1/models" | "$PY" -c 'import json, sys
+print(max(m.get("max_model_len") or 0 for m in json.load(sys.stdin)["data"]))' 2>/dev/null)
+      if [ "${served_context:-0}" -lt $((32000 + ${LONG32K_OUT:-128})) ]; then
+        log "long32k skipped: the server holds ${served_context:-an unknown number of} tokens per request, " \
+            "not 32,000 + ${LONG32K_OUT:-128}"
+      else
+        bench long32k --input-len 32000 --output-len "${LONG32K_OUT:-128}" --concurrency 1 --min-prompts 4 \
+          --warmup-requests 1
+      fi ;;
     throughput) bench throughput --input-len 1000 --output-len 1000 --concurrency 256 --prompts-per-concurrency 1 \
                   --min-prompts 256 --warmup-requests 0 ;;
     restart) stop_server; log "flare run again"; start_server restart && restart_s=$startup_s ;;

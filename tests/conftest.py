@@ -26,6 +26,12 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--numerics-report", default=None, metavar="PATH",
+                     help="where the numerics gate (tests/models/test_numerics_gate.py, GPU) writes its measured "
+                          "deviations as JSON")
+
+
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path_factory, monkeypatch) -> Path:
     """Point the home directory at a fresh folder so no test reads or writes the user's config or caches."""

@@ -19,6 +19,8 @@ def backends():
     ([7, 1, 20], [0, 30, 16]),        # prefill, decode row and extend over a cached prefix in one batch
     ([1, 1, 1], [0, 15, 40]),         # pure decode: the split-K path
     ([1, 1, 7, 20], [15, 40, 0, 16]), # decodes first, then chunks: decode kernel for two, prefill for the rest
+    ([4, 4, 4], [0, 30, 16]),         # four new tokens each (one of them a whole prompt): multi-query
+    ([9, 9], [20, 100]),              # a token and eight drafts each: multi-query, 36 rows a tile
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_backend_matches_the_reference_backend(kernel_device, query_lens, cached, dtype):
@@ -72,3 +74,54 @@ def test_compiled_model_code_traces_through_the_attention_op(kernel_device):
     compiled_cache = cache.clone()
     torch.testing.assert_close(compiled(query, key, value, compiled_cache), expected)
     assert torch.equal(compiled_cache, eager_cache)              # the K/V write happened under compile too
+
+
+def kernel_taken(monkeypatch, query_lens, cached, device) -> str:
+    """Which kernel module's entry point the Triton backend called for a batch (the calls go through)."""
+    import flare.kernels.decode_attention as decode
+    import flare.kernels.flash_prefill as flash
+    import flare.kernels.multi_query_attention as multi_query
+    from flare.engine.attention import AttentionMetadata
+    from flare.engine.attention_triton import TritonBackend
+
+    taken = []
+    for module, name in ((decode, "decode_attention"), (flash, "flash_prefill_attention"),
+                         (multi_query, "multi_query_attention")):
+        def recorded(*args, _real=getattr(module, name), _name=name, **kwargs):
+            taken.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, recorded)
+    seq_lens = [c + q for c, q in zip(cached, query_lens)]
+    tables = [[b * 8 + i for i in range(-(-length // 16))] for b, length in enumerate(seq_lens)]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16, device=device)
+    tokens = sum(query_lens)
+    cache = torch.zeros(2, 8 * len(query_lens), 16, 2, 16, device=device)
+    query, key, value = (torch.randn(tokens, heads, 16, device=device) for heads in (4, 2, 2))
+    TritonBackend().forward(query, key, value, cache, meta, 0.25)
+    return "+".join(taken)
+
+
+@pytest.mark.parametrize("query_lens,cached,kernel", [
+    ([1, 1], [5, 30], "decode_attention"),
+    ([2, 2, 2], [5, 30, 0], "multi_query_attention"),              # a token and one draft each
+    ([16, 16], [5, 30], "multi_query_attention"),                  # MAX_QUERY_TOKENS each
+    ([17, 17], [5, 30], "flash_prefill_attention"),                # past it: prompt chunks
+    ([4, 3, 4], [5, 30, 9], "flash_prefill_attention"),            # uneven counts
+    ([1, 4], [5, 30], "decode_attention+flash_prefill_attention"),  # a decode beside a chunk: a mixed step
+])
+def test_the_backend_takes_multi_query_attention_when_every_sequence_brings_the_same_few_tokens(
+        kernel_device, monkeypatch, query_lens, cached, kernel):
+    from flare.kernels.multi_query_attention import MAX_QUERY_TOKENS
+
+    assert MAX_QUERY_TOKENS == 16
+    assert kernel_taken(monkeypatch, query_lens, cached, kernel_device) == kernel
+
+
+def test_the_metadata_says_when_every_sequence_brings_the_same_number_of_tokens():
+    from flare.engine.attention import AttentionMetadata
+
+    def uniform(query_lens):
+        return AttentionMetadata.build(query_lens, [q + 3 for q in query_lens], [[0]] * len(query_lens),
+                                       16).uniform_query_len
+
+    assert [uniform([3, 3, 3]), uniform([1, 1]), uniform([3, 2, 3]), uniform([2, 3]), uniform([])] == [3, 1, 0, 0, 0]

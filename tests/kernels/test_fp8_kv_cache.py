@@ -91,7 +91,7 @@ def test_the_write_kernel_quantizes_each_head_vector_to_its_own_scale(kernel_dev
 
 
 @pytest.mark.parametrize("query_lens,cached", [([7, 1, 20], [0, 30, 16]), ([1, 1, 1], [0, 15, 40]),
-                                               ([1, 1, 7], [15, 40, 0])])
+                                               ([1, 1, 7], [15, 40, 0]), ([3, 3], [30, 5])])
 def test_triton_backend_with_an_fp8_cache_matches_the_reference_backend(kernel_device, query_lens, cached):
     from flare.engine.attention import AttentionMetadata, TorchReferenceBackend
     from flare.engine.attention_triton import TritonBackend

@@ -76,12 +76,23 @@ class AttentionMetadata:
         """`[T]`: the context length after this step of each new token's sequence."""
         return self.seq_lens[self.token_sequence_index()]
 
+    @property
+    def uniform_query_len(self) -> int:
+        """The number of new tokens every sequence brings when they all bring the same (0 when they differ)."""
+        return uniform_query_len(self.num_tokens, self.seq_lens.shape[0], self.max_query_len)
+
     def positions(self) -> torch.Tensor:
         """`[T]` int64: the position of each new token in its sequence (new tokens come last in the context)."""
         sequence = self.token_sequence_index()
         tokens = torch.arange(self.num_tokens, device=sequence.device)
         from_end = self.query_start_loc[1:][sequence].to(torch.int64) - tokens
         return self.seq_lens[sequence].to(torch.int64) - from_end
+
+
+def uniform_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int:
+    """`max_query_len` when `num_tokens` new tokens over `num_seqs` sequences are that many each (no
+    sequence brings more than the longest, so a total of longest times count leaves none shorter); else 0."""
+    return max_query_len if num_seqs and num_tokens == max_query_len * num_seqs else 0
 
 
 def leading_decodes(query_lens: list[int]) -> int:

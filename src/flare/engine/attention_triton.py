@@ -1,7 +1,11 @@
 """The Triton attention backend: the AttentionBackend contract on our paged kernels.
 
 Writes the new K/V at slot_mapping, then runs split-K decode attention when every sequence brings one
-new token, and prefill/extend attention otherwise. A mixed step (decoding requests beside a prompt
+new token, multi-query decode attention when every sequence brings the same few (2 to
+`MAX_QUERY_TOKENS`: a token and its drafts under speculative verification), and prefill/extend
+attention otherwise. The prefill kernel would give each query head of such a step a 128-row tile and
+read every page once per query head without splitting the context; the multi-query kernel packs the
+new tokens of a KV head's whole group into one tile and splits long contexts. A mixed step (decoding requests beside a prompt
 chunk) splits: its leading one-token sequences (`meta.num_decodes`) take the decode kernel, the rest
 the prefill kernel. The prefill kernel would give each decode row a whole query tile of its own, and
 a step of 64 decodes beside a 1,000-token chunk spent 46% of its GPU time there (H200, llama-8b).
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from flare.engine.attention import AttentionBackend, AttentionMetadata, fp8_kv_views
+from flare.engine.attention import AttentionBackend, AttentionMetadata, fp8_kv_views, uniform_query_len
 
 
 def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -26,9 +30,11 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     cache of flare.engine.attention) -> [T, Hq, D].
 
     `num_decodes`: the first sequences bring one new token each (0: unknown); `decode_splits` is the
-    split-K count of decode attention (over the whole batch, or over those first sequences)."""
+    split-K count of decode and multi-query attention (over the whole batch, or over those first
+    sequences)."""
     from flare.kernels.decode_attention import decode_attention
     from flare.kernels.flash_prefill import flash_prefill_attention
+    from flare.kernels.multi_query_attention import MAX_QUERY_TOKENS, multi_query_attention
     from flare.kernels.prefill_attention import write_kv, write_kv_fp8
 
     if kv_cache.dtype == torch.uint8:
@@ -38,8 +44,11 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     else:
         k_cache, v_cache, scales = kv_cache[0], kv_cache[1], {}
         write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), k_cache, v_cache, slot_mapping)
-    if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
+    queries = uniform_query_len(query.shape[0], seq_lens.shape[0], max_query_len)
+    if queries == 1:
         return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, **scales)
+    if 1 < queries <= MAX_QUERY_TOKENS:
+        return multi_query_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, **scales)
     if num_decodes == 0:
         return flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                        max_query_len=max_query_len, **scales)
@@ -77,7 +86,8 @@ def _paged_attention_shape(query, key, value, kv_cache, query_start_loc, seq_len
 class TritonBackend(AttentionBackend):
     """Paged attention through the Triton kernels of flare.kernels (CUDA; Triton's interpreter on CPU).
 
-    decode_splits fixes the split-K count of decode attention. A captured or compiled decode step needs
+    decode_splits fixes the split-K count of decode attention (and of multi-query attention, whose programs
+    are laid out the same way: one per sequence, KV head and split). A captured or compiled decode step needs
     it fixed: pass choose_num_splits(batch, num_kv_heads, longest context served). Left None, it is
     chosen per call from meta.max_seq_len (under torch.compile that value then becomes a guard).
     """

@@ -108,10 +108,11 @@ def _multi_query_split_kernel(
 
 def multi_query_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_splits: int,
                           out=None, *, k_scale=None, v_scale=None, block_n: int | None = None,
-                          num_warps: int = 4):
+                          num_warps: int = 4, num_stages: int | None = None):
     """Attention of Q = T // B new tokens per sequence over its paged context, causal among them;
     returns out [T, Hq, D]. num_splits: as decode attention's (`choose_num_splits`, whose programs these
-    are too; fixed for a captured graph); block_n and num_warps are tuning knobs for benchmarks."""
+    are too; fixed for a captured graph); block_n, num_warps and num_stages (None: Triton's default) are
+    tuning knobs for benchmarks."""
     import torch
 
     batch = seq_lens.shape[0]
@@ -133,7 +134,7 @@ def multi_query_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     block_d = triton.next_power_of_2(head_dim)
     on_cpu = q.device.type == "cpu"                  # interpreter: short steps, so small tests cross several
     block_n = block_n or (16 if on_cpu else 64)
-    launch = {} if on_cpu else {"num_warps": num_warps}
+    launch = {} if on_cpu else {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     fp8 = k_scale is not None
     _multi_query_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens, mid_o, mid_lse,
