@@ -161,11 +161,16 @@ log "flare run ($SERVED)"
 start_server serve || exit 1
 first_startup_s=$startup_s
 VOCAB=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]+"/config.json"))["vocab_size"])' "$CKPT")
+BENCH_CALLS=0
 bench() {   # name, then serve_bench arguments
   local name=$1; shift
   log "$name"
+  # Each call its own prompts: serve_bench seeds a level's prompts by its concurrency, so two phases at one
+  # concurrency (serve64, then greedy64) would otherwise send the same prompts, and the second would find
+  # them all in the prefix cache.
+  BENCH_CALLS=$((BENCH_CALLS + 1))
   timeout ${BENCH_TIMEOUT:-240} "$PY" benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model "$SERVED" \
-    --vocab-size "$VOCAB" --output "$OUT/$name.json" "$@" 2>&1 | tail -8
+    --vocab-size "$VOCAB" --seed $((BENCH_CALLS * 100003)) --output "$OUT/$name.json" "$@" 2>&1 | tail -8
   "$PY" -c 'import json, sys; [print("errors:", level["errors"]) for level in json.load(open(sys.argv[1]))["levels"]
             if level.get("errors")]' "$OUT/$name.json" 2>/dev/null | cut -c1-600
 }

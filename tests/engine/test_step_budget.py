@@ -12,7 +12,7 @@ from test_scheduler import add, prompt, run_to_end
 
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore
-from flare.engine.policy import DEFAULT_CADENCE_FACTOR, MIN_PROMPT_TOKENS, SchedulerPolicy, check_max_step_ms
+from flare.engine.policy import DEFAULT_CADENCE_FACTOR, SchedulerPolicy
 from flare.engine.step_cost import StepCosts
 from flare.errors import UsageError
 
@@ -22,25 +22,36 @@ BUDGET, CHUNK = 4112, 2048
 
 
 def test_the_policy_carries_the_prompt_tokens_the_table_implies():
-    policy = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=12.0)
-    assert policy.max_step_ms == 12.0
-    # 16 decodes: 8 ms alone, 14 ms with 512 prompt tokens; 12 ms is 4/6 of the way
-    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=16) == int(512 * 4 / 6) == 341
-    # 1 decode: 10 ms at 512, 15 ms at 1,024; 12 ms is 2/5 of the way
-    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=1) == 512 + int(512 * 2 / 5)
+    policy = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=17.0)
+    assert policy.max_step_ms == 17.0
+    # 16 decodes: 14 ms with 512 prompt tokens, 20 ms with 1,024; 17 ms is halfway
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=16) == 768
+    # 1 decode: 10 ms at 512, 15 ms at 1,024: the last column is all that was measured, so 1,024
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=1) == 1024
     # 8.5 decodes' row lies halfway between the measured ones: 6.5, 12, 17.5 ms
-    assert COSTS.step_ms(8.5, 0) == pytest.approx(6.5) and COSTS.step_ms(8.5, 256) == pytest.approx(9.25)
-    # beyond the measured batches the nearest row holds; beyond the last column nothing is estimated
-    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=40) == 341
-    assert SchedulerPolicy().with_step_costs(COSTS, 16, 50.0).prefill_cap(BUDGET, CHUNK, 1) == 1024
+    assert COSTS.step_ms(8.5, 0) == pytest.approx(6.5) and COSTS.step_ms(8.5, 768) == pytest.approx(14.75)
+    # 8 decodes, 7/15 of the way from 1 to 16: 11.87 ms at 512 and 17.33 ms at 1,024, so 13 ms carries 618
+    assert SchedulerPolicy().with_step_costs(COSTS, 16, 13.0).prefill_cap(BUDGET, CHUNK, 8) == 618
+    # beyond the measured batches the nearest row holds
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=40) == 768
+    assert policy.prefill_cap(700, CHUNK, num_decoding=16) == 700                 # within the step budget
 
 
-def test_prompts_keep_moving_when_the_decodes_alone_take_the_bound():
-    policy = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=7.0)     # 16 decodes: 8 ms
-    assert COSTS.prompt_tokens_within(16, 7.0) == 0
-    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=16) == MIN_PROMPT_TOKENS
-    assert policy.prefill_cap(BUDGET, 128, num_decoding=16) == 128           # a smaller chunk is the floor
-    assert policy.prefill_cap(200, CHUNK, num_decoding=16) == 200             # within the step budget
+def test_prompt_work_below_the_first_column_costs_what_that_column_did():
+    # A step with prompt work pays a price decode-only steps do not: 64 prompt tokens cost the 512 column.
+    assert COSTS.step_ms(16, 64) == COSTS.step_ms(16, 512) == 14.0
+    assert COSTS.prompt_tokens_within(16, 13.9) == 0
+    assert COSTS.prompt_tokens_within(16, 14.0) == 512
+
+
+def test_where_no_prompt_step_keeps_the_bound_a_step_carries_one_chunk():
+    """The bound cannot be kept beside these decodes whatever is carried; fewer tokens would only make
+    more steps that each break it (the H200's table: every llama-8b step with prompt work took ~40 ms)."""
+    policy = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=12.0)     # 16 decodes: 14 ms
+    assert COSTS.prompt_tokens_within(16, 12.0) == 0
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=16) == CHUNK
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=1) == 512 + 512 * 2 // 5       # 1 decode: it fits
+    assert policy.prefill_cap(1000, CHUNK, num_decoding=16) == 1000                      # within the budget
 
 
 def test_nobody_decoding_or_throughput_fills_the_step_and_no_table_carries_one_chunk():
@@ -61,6 +72,8 @@ def test_the_default_bound_is_twice_a_full_decode_batchs_step():
 
 
 def test_a_bound_is_checked_and_belongs_to_balanced():
+    from flare.config import check_max_step_ms
+
     for value in (0, -5.0, math.nan, math.inf, True, "25"):
         with pytest.raises(UsageError, match="--scheduler-max-step-ms"):
             check_max_step_ms(value, "--scheduler-max-step-ms")
@@ -79,7 +92,7 @@ def test_a_table_must_be_a_rising_grid_of_positive_times():
         with pytest.raises(ValueError, match="step costs"):
             StepCosts("GPU", 1024, batches, tokens, times)
     noisy = StepCosts("GPU", 1024, (1,), (0, 64, 128), ((5.0, 4.0, 6.0),))  # timing noise: 64 looked cheaper
-    assert noisy.step_ms(1, 64) == 5.0 and noisy.prompt_tokens_within(1, 4.5) == 0
+    assert noisy.step_ms(1, 64) == 5.0 and noisy.prompt_tokens_within(1, 5.5) == 96
 
 
 # ---- through the scheduler -----------------------------------------------------------------------------

@@ -6,11 +6,13 @@ skipped) and differ only in how much prompt work a step may carry next to the de
 * `balanced` (the default) keeps output cadence. With the step costs the package measured at export
   (`flare.engine.step_cost.StepCosts`) it keeps every step that carries decodes within a cadence bound,
   `max_step_ms`: beside n decoding requests it carries the most prompt tokens whose measured step
-  still fits the bound, and never fewer than `min(prefill_chunk, MIN_PROMPT_TOKENS)`, so that prompts
-  keep moving when the decodes alone take the bound (first tokens stay fast; the bound then stretches
-  by that much). The bound defaults to `DEFAULT_CADENCE_FACTOR` times the measured step of a full
-  decode batch (the served concurrency, no prompt work): as the batch grows the prompt share shrinks,
-  and with few decoding the prompts take more. Without step costs (a package exported on the CPU, or
+  still fits the bound. Where no measured step with prompt work fits it (every such step costs more
+  than the bound beside these decodes), the bound cannot be kept whatever is carried, and carrying
+  less would only add steps that each break it: such a step carries one prefill chunk, as without
+  costs, so prompts keep moving at full speed and first tokens stay fast. The bound defaults to
+  `DEFAULT_CADENCE_FACTOR` times the measured step of a full decode batch (the served concurrency, no
+  prompt work): as the batch grows the prompt share shrinks, and with few decoding the prompts take
+  more. Without step costs (a package exported on the CPU, or
   served on another kind of device) a step carries at most one prefill chunk (`prefill_chunk` tokens)
   of prompt work while anyone decodes. With nobody decoding there is no cadence to keep, and prefill
   takes the whole step budget either way.
@@ -55,7 +57,6 @@ SchedulerPolicyName = Literal["balanced", "throughput"]
 DEFAULT_TERMINAL_VALUE = 256.0       # prompt-token units
 DEFAULT_TERMINAL_AGE_PRICE = 1.0     # value per ms²
 DEFAULT_CADENCE_FACTOR = 2.0         # the default bound: twice a full decode batch's step
-MIN_PROMPT_TOKENS = 256              # prompt tokens a bounded step always carries (a chunk, if smaller)
 MAX_STEP_MS_FLAG = "--scheduler-max-step-ms"
 
 
@@ -103,10 +104,10 @@ class SchedulerPolicy:
         requests, before terminal allowances."""
         if self.name == "throughput" or num_decoding == 0:
             return step_budget
-        if self.step_costs is None:
+        fits = 0 if self.step_costs is None else self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms)
+        if fits == 0:                   # no costs, or no step with prompt work keeps the bound: one chunk
             return min(prefill_chunk, step_budget)
-        fits = self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms)
-        return min(step_budget, max(fits, min(prefill_chunk, MIN_PROMPT_TOKENS)))
+        return min(step_budget, fits)
 
     def retirement_value(self, terminal_age_s: float | None) -> float:
         """What retiring a request is worth now, in prompt tokens; 0 for a request that is not terminal."""
