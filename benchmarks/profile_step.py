@@ -14,7 +14,14 @@ For each case it prints the wall time of the step(s), the summed kernel time, an
 into classes (matmul, attention, elementwise/fused, other) with the top kernels, and writes it all as
 JSON (plus gzipped Chrome traces with --traces).
 
+--prompt-graphs captures the piecewise prompt graphs (flare.engine.prompt_graphs) of every token bucket
+of the step budget and checks them against the eager step as `ignition export` does; when they pass,
+prompt-carrying and mixed steps replay them (the check's note is printed and recorded either way).
+Wall time minus kernel time of the prompt cases, with and without, is what they save.
+
     python benchmarks/profile_step.py llama-8b --output profile.json
+    python benchmarks/profile_step.py llama-8b --prompt-graphs --cases prefill-2048,prompt-8192,mixed-64 \
+        --output profile-prompt-graphs.json
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--prompt-graphs", action="store_true",
+                        help="capture and check the prompt graphs; prompt-carrying steps replay them when they pass")
     parser.add_argument("--shrink", action="store_true", help="a small model of the shape's layout (script check)")
     parser.add_argument("--traces", type=Path, default=None, help="folder for gzipped Chrome traces")
     parser.add_argument("--output", type=Path, default=None)
@@ -118,11 +127,13 @@ def main(argv=None) -> int:
 
         compile_model(model)
     runner = ModelRunner(model, cfg, config, device, dtype, seed=0, graphs=device == "cuda")
+    prompt_graphs = with_prompt_graphs(runner) if args.prompt_graphs else None
     print(f"{args.shape} ({cfg.num_hidden_layers} layers): compile + capture {time.perf_counter() - started:.1f} s",
           flush=True)
     result = {"benchmark": "step profile", "shape": args.shape, "layers": cfg.num_hidden_layers,
-              "compiled": not args.no_compile, "device": device_identity(), "command": " ".join(sys.argv),
-              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cases": {}}
+              "compiled": not args.no_compile, "prompt_graphs": prompt_graphs, "device": device_identity(),
+              "command": " ".join(sys.argv), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "cases": {}}
     for case in args.cases.split(","):
         summary = run_case(case, runner, config, cfg.vocab_size, args.traces)
         result["cases"][case] = summary
@@ -131,6 +142,17 @@ def main(argv=None) -> int:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def with_prompt_graphs(runner) -> dict:
+    """Capture and check the prompt graphs of the runner's step budget, as export does; the runner replays
+    them from here on when they pass. What the check found, for the JSON."""
+    from flare.engine.compile_cache import check_runner_prompt_graphs
+    from flare.engine.config import prompt_graph_sizes
+
+    check = check_runner_prompt_graphs(runner, prompt_graph_sizes(runner.config.max_num_batched_tokens))
+    print(f"prompt graphs: {len(check.sizes)} buckets, {check.note}", flush=True)
+    return {"sizes": list(check.sizes), "note": check.note}
 
 
 def run_case(case: str, runner, config, vocab_size: int, traces: Path | None) -> dict:

@@ -160,6 +160,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
     if prepared is not None and prepared.step_costs is not None:
         plan = msgspec.structs.replace(plan, step_costs=step_cost_table(prepared.step_costs))
+    if prepared is not None and prepared.prompt_graphs is not None:
+        plan = msgspec.structs.replace(plan, prompt_graph_sizes=prepared.prompt_graphs.sizes)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
     with progress.phase("Export package") as phase:
         counts = {"written": 0, "reused": 0, "bytes": 0}
@@ -208,7 +210,7 @@ def _export_spec(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         repository=options.repo_id or recipe.export_repository,
         sampling=Sampling(_sampling_defaults(recipe, source.directory),
                           {name: tuple(bounds) for name, bounds in recipe.sampling_ranges.items()}),
-        license=_license(source), preparation=preparation, graphs=_graph_catalog(plan),
+        license=_license(source), preparation=preparation, graphs=_graph_catalog(plan, prepared),
         compiled=prepared.artifacts if prepared else None)
 
 
@@ -253,9 +255,10 @@ def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: Phase
     with progress.phase("Allocate KV cache") as phase:
         phase.skip("pages are sized from free device memory when the package is served")
     with progress.phase("Capture graphs") as phase:
-        sizes = prepared.captured_sizes
-        phase.done(f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}); "
-                   "captured again when serving starts" if sizes else "no decode graphs on this backend")
+        sizes, prompt = prepared.captured_sizes, prepared.prompt_graphs
+        phase.done((f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}); "
+                    "captured again when serving starts" if sizes else "no decode graphs on this backend")
+                   + (f"; prompt steps: {_prompt_graphs_text(prompt.sizes, prompt.note)}" if prompt else ""))
     with progress.phase("Measure steps") as phase:
         costs = prepared.step_costs
         if costs is None:
@@ -275,11 +278,21 @@ def step_cost_table(costs) -> StepCostTable:
                          milliseconds=costs.milliseconds)
 
 
-def _graph_catalog(plan: Plan) -> GraphCatalog:
-    """The decode graph catalog of each rank: the plan's sizes, which serving captures exactly."""
+def _graph_catalog(plan: Plan, prepared) -> GraphCatalog:
+    """The graph catalog of each rank: the plan's decode sizes, which serving captures exactly, and its
+    prompt-step buckets with what export's check of them found."""
+    check = prepared.prompt_graphs if prepared is not None else None
     return GraphCatalog(plan.decode_capacities,
                         "captured when serving starts on a GPU whose attention runs the Triton kernels; "
-                        "otherwise decode runs eagerly")
+                        "otherwise decode runs eagerly", prompt_tokens=plan.prompt_graph_sizes,
+                        prompt_note=check.note if check is not None else "")
+
+
+def _prompt_graphs_text(sizes: tuple[int, ...], note: str) -> str:
+    """The prompt-step buckets in a line: how many, from which to which size, and the check's note."""
+    if not sizes:
+        return note
+    return f"{len(sizes)} token buckets ({sizes[0]}-{sizes[-1]:,}), {note}"
 
 
 def _device(gpus: str | None) -> str:

@@ -279,3 +279,43 @@ def test_inspect_graphs_of_a_cpu_package(export, capsys):
 
     assert main(["inspect", str(export()), "--graphs", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["graphs"][0]["compiled"] is None
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_the_plan_records_prompt_graphs_only_when_export_checked_them(export, approved, monkeypatch, passed):
+    """Their buckets go into the signed plan and the catalog; serving's engine config takes the buckets
+    its step budget reaches; inspect shows them, or that those steps run eagerly and why."""
+    from flare.engine.prompt_graphs import PromptGraphCheck
+    from flare.memory import KVPool
+    from flare.package.inspect import InspectOptions, build_report, sections
+    from flare.server.kv_sizing import serving_engine_config
+    from flare.server.launch import _package_model
+
+    note = ("replays match the eager step (worst relative error 1.2e-03)" if passed else
+            "not captured: a replay differs from the eager step by 3.0e-01 (relative), over 2e-02")
+    check = PromptGraphCheck((16, 32, 64, 128, 256, 512) if passed else (), note)
+    artifacts = CompiledArtifacts(bytes(range(256)), KEY, b"")
+    monkeypatch.setattr(prepare, "_prepare_code", lambda directory, plan, device, progress, workers=None:
+                        PreparedCode(artifacts, (1, 2, 4), 1.5, None, 0.0, check))
+    package = open_package(export(), approved)
+    assert package.plan.prompt_graph_sizes == check.sizes
+    [catalog] = package.graph_catalogs.values()
+    assert (catalog.prompt_tokens, catalog.prompt_note) == (check.sizes, note)
+    model = _package_model(package, weight_bytes=0)
+    config = serving_engine_config(model, 1, KVPool(pages=64, page_size=model.page_size, limited_by="memory",
+                                                    bytes=0))
+    budget = config.max_num_batched_tokens
+    assert config.prompt_graph_sizes == (tuple(s for s in check.sizes if s < budget)
+                                         + tuple(s for s in check.sizes if s >= budget)[:1])
+    [graphs] = [s for s in sections(build_report(package, InspectOptions(graphs=True))) if s.title.startswith("Graphs")]
+    shown = dict(graphs.rows)["prompt steps"]
+    assert shown == (f"piecewise graphs at 16, 32, 64, 128, 256, 512 tokens ({note})" if passed else f"eager ({note})")
+
+
+def test_a_cpu_export_says_its_prompt_steps_run_eagerly(export, approved):
+    from flare.package.inspect import InspectOptions, build_report, sections
+
+    package = open_package(export(), approved)
+    assert package.plan.prompt_graph_sizes == ()
+    [graphs] = [s for s in sections(build_report(package, InspectOptions(graphs=True))) if s.title.startswith("Graphs")]
+    assert dict(graphs.rows)["prompt steps"] == "eager (prepared without a GPU)"

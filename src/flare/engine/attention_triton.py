@@ -92,10 +92,20 @@ class TritonBackend(AttentionBackend):
     chosen per call from meta.max_seq_len (under torch.compile that value then becomes a guard).
     """
 
+    # Set only while flare.engine.prompt_graphs captures or stages a forward: it takes each call
+    # (`interceptor(backend, query, key, value, kv_cache, scale)`) in the backend's place.
+    interceptor = None
+
     def __init__(self, decode_splits: int | None = None):
         self.decode_splits = decode_splits
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.interceptor is not None:
+            return self.interceptor(self, query, key, value, kv_cache, scale)
+        return self.attend(query, key, value, kv_cache, meta, scale)
+
+    def attend(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The attention itself: `forward` when nothing intercepts it."""
         from flare.kernels.decode_attention import choose_num_splits
 
         splits = self.decode_splits

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from flare.engine.prompt_graphs import PromptGraphCheck
     from flare.engine.step_cost import StepCosts
     from flare.package.manifest import Plan
 
@@ -175,22 +176,25 @@ class PreparedCode:
     seconds: float
     step_costs: StepCosts | None = None          # steps timed after the warm-up (on a GPU)
     step_cost_seconds: float = 0.0
+    prompt_graphs: PromptGraphCheck | None = None    # export's check of the prompt graphs (on a GPU)
 
 
 def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
                      compile_workers: int | None = None) -> PreparedCode:
     """Load the checkpoint onto the GPU, compile it (unless the plan says `compile: False`), capture the
-    plan's decode catalog, run a warm-up request, time the engine's steps (flare.engine.step_cost, on a
-    GPU), and keep what was compiled. `compile_workers` bounds Inductor's compiler processes. Frees the
-    GPU memory it used before returning."""
+    plan's decode catalog, run a warm-up request, capture and check the prompt graphs
+    (flare.engine.prompt_graphs), time the engine's steps through them when they passed
+    (flare.engine.step_cost, on a GPU), and keep what was compiled. `compile_workers` bounds Inductor's
+    compiler processes. Frees the GPU memory it used before returning."""
     import gc
     import time
     from dataclasses import replace
 
     import torch
 
-    from flare.engine.config import EngineConfig
+    from flare.engine.config import EngineConfig, prompt_graph_sizes, step_token_budget
     from flare.engine.factory import build_core, load_checkpoint_model
+    from flare.engine.prompt_graphs import pages_to_check
     from flare.engine.step_cost import measurement_model_len
 
     started = time.perf_counter()
@@ -198,6 +202,8 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     prompt_tokens = chunk + chunk // 2 + 1               # a full chunk, then a remainder of another size
     max_model_len = max(prompt_tokens + 2, measurement_model_len(chunk))
     pages = -(-max_model_len // plan.page_size) + -(-(WARM_UP_SHORT_PROMPT + 2) // plan.page_size)
+    prompt_sizes = prompt_graph_sizes(step_token_budget(chunk, plan.max_concurrency))
+    pages = max(pages, pages_to_check(prompt_sizes[-1], plan.page_size))
     config = EngineConfig(max_concurrency=plan.max_concurrency, page_size=plan.page_size,
                           num_pages=pages, prefill_chunk=chunk,
                           max_num_batched_tokens=max(chunk, plan.max_concurrency),
@@ -215,17 +221,43 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     sizes = graphs.sizes if graphs is not None else ()
     warm_up(core, loaded.model_config.vocab_size, prompt_tokens)
     on_cuda = str(device).startswith("cuda")
-    costs, cost_seconds = None, 0.0
+    costs, cost_seconds, prompt_check = None, 0.0, None
     if on_cuda:
-        from flare.engine.step_cost import measure_step_costs
-
-        measured = time.perf_counter()
-        costs = measure_step_costs(core.runner, torch.cuda.get_device_name(torch.device(device)))
-        cost_seconds = time.perf_counter() - measured
-        torch.cuda.synchronize()
+        prompt_check = check_runner_prompt_graphs(core.runner, prompt_sizes) if graphs is not None else None
+        costs, cost_seconds = _measure_steps(core.runner, device)
     artifacts = save_artifacts() if on_cuda else None      # nothing is compiled for a CPU
+    if prompt_check is not None:
+        prompt_check = replace(prompt_check, graphs=None)   # their memory goes with the core's
     del core, graphs, loaded
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
-    return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started - cost_seconds, costs, cost_seconds)
+    return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started - cost_seconds, costs, cost_seconds,
+                        prompt_check)
+
+
+def _measure_steps(runner, device: str):
+    """(the runner's step costs, the seconds their measurement took), on a GPU."""
+    import time
+
+    import torch
+
+    from flare.engine.step_cost import measure_step_costs
+
+    started = time.perf_counter()
+    costs = measure_step_costs(runner, torch.cuda.get_device_name(torch.device(device)))
+    torch.cuda.synchronize()
+    return costs, time.perf_counter() - started
+
+
+def check_runner_prompt_graphs(runner, sizes: tuple[int, ...]) -> PromptGraphCheck:
+    """Capture and check the prompt graphs of `sizes` on the runner's model and caches; when they pass,
+    the runner replays its prompt-carrying steps through them from here on (so the step costs measured
+    next are those serving will see)."""
+    from flare.engine.prompt_graphs import check_prompt_graphs
+
+    config = runner.config
+    check = check_prompt_graphs(runner.model, runner.kv_caches, sizes, range(config.num_pages), config.page_size,
+                                runner.vocab_size)
+    runner.use_prompt_graphs(check.graphs)
+    return check

@@ -31,6 +31,9 @@ class EngineConfig:
     # The decode batch sizes the runner captures as graphs: a package's plan records them
     # (`recipes.base.decode_capacities_for`); empty means the standard catalog for max_concurrency.
     decode_graph_sizes: tuple[int, ...] = ()
+    # The token-count buckets of prompt-carrying and mixed steps captured as piecewise graphs
+    # (flare.engine.prompt_graphs); a plan records them once export checked them on the GPU. Empty: eager.
+    prompt_graph_sizes: tuple[int, ...] = ()
     # Plan and launch step N+1 while step N runs, its sampled ids staying on the device (EngineCore).
     one_step_ahead: bool = True
 
@@ -73,6 +76,10 @@ class EngineConfig:
             sizes = decode_capacities_for(DECODE_CAPACITIES, self.max_concurrency)
         if list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise UsageError(f"decode_graph_sizes {list(sizes)} must be distinct positive sizes in rising order")
+        prompt = tuple(self.prompt_graph_sizes)
+        if prompt and (list(prompt) != sorted(set(prompt)) or prompt[0] < 1):
+            raise UsageError(f"prompt_graph_sizes {list(prompt)} must be distinct positive sizes in rising order")
+        object.__setattr__(self, "prompt_graph_sizes", prompt)
         if sizes[-1] < self.max_concurrency:
             raise UsageError(f"decode_graph_sizes {list(sizes)} hold at most {sizes[-1]} requests, fewer than "
                              f"max_concurrency {self.max_concurrency}")
@@ -92,7 +99,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                            prepared_concurrency: int | None = None,
                            scheduler_policy: SchedulerPolicy | None = None,
                            enable_prefix_caching: bool = True,
-                           decode_graph_sizes: tuple[int, ...] = ()) -> EngineConfig:
+                           decode_graph_sizes: tuple[int, ...] = (),
+                           prompt_graph_sizes: tuple[int, ...] = ()) -> EngineConfig:
     """The EngineConfig for a KV pool sized at startup (`flare.memory.KVPool`: pages, page_size, limited_by).
 
     The pool is the shared page supply for active requests and cached history. The served context is
@@ -109,7 +117,29 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                         enable_prefix_caching=enable_prefix_caching,
                         scheduler_policy=scheduler_policy or SchedulerPolicy(),
                         prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by,
-                        decode_graph_sizes=decode_graph_sizes)
+                        decode_graph_sizes=decode_graph_sizes, prompt_graph_sizes=prompt_graph_sizes)
+
+
+SMALL_PROMPT_BUCKETS = (16, 32, 64, 128)
+PROMPT_BUCKET_STEP = 256
+
+
+def prompt_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The token buckets of prompt graphs (flare.engine.prompt_graphs) for steps of up to `max_tokens`
+    tokens (the step token budget): a few small ones for decode-heavy mixed steps, then multiples of
+    PROMPT_BUCKET_STEP, so padding a large step costs a few percent of its matrix work; up to the first
+    bucket that holds `max_tokens`."""
+    top = -(-max_tokens // PROMPT_BUCKET_STEP) * PROMPT_BUCKET_STEP
+    return prompt_sizes_for(SMALL_PROMPT_BUCKETS + tuple(range(PROMPT_BUCKET_STEP, top + 1, PROMPT_BUCKET_STEP)),
+                            max_tokens)
+
+
+def prompt_sizes_for(sizes, max_tokens: int) -> tuple[int, ...]:
+    """The buckets of `sizes` a step budget of `max_tokens` can use: those below it and the first that
+    holds it (serving at a lower concurrency than prepared captures fewer)."""
+    kept = tuple(s for s in sizes if s < max_tokens)
+    holding = [s for s in sizes if s >= max_tokens]
+    return kept + tuple(holding[:1])
 
 
 def step_token_budget(prefill_chunk: int, concurrency: int) -> int:

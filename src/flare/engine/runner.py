@@ -10,7 +10,9 @@ Nothing in `launch` waits for the device.
 
 On CUDA, a step whose rows all feed one token and sample (decode) replays a captured graph of the
 smallest catalog size that holds it (flare.engine.cuda_graphs), sampling inside the graph; other steps
-run the model directly (compiled when `compile_model` was applied) and call the same sampler.
+run the model directly (compiled when `compile_model` was applied), or replay the piecewise graphs of
+the smallest token bucket that holds them when the config has prompt graph sizes
+(flare.engine.prompt_graphs), and call the same sampler.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model_config, config.num_pages + 1, config.page_size, dtype, self.device)
         self.slots = BatchSlots(config.max_concurrency, config.max_pages_per_request, config.num_pages, self.device,
                                 self.sampler)
-        self.graphs = None
+        self.graphs = self.prompt_graphs = None
         if graphs:
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
+            self.prompt_graphs = self._build_prompt_graphs(on_cuda if capture is None else capture)
 
     def _build_graphs(self, capture: bool):
         from flare.engine.cuda_graphs import DecodeGraphs
@@ -66,6 +69,21 @@ class ModelRunner:
                               page_size=config.page_size, max_seq_len=config.max_model_len, capture=capture)
         graphs.capture_all()
         return graphs
+
+    def _build_prompt_graphs(self, capture: bool):
+        """The piecewise graphs of prompt-carrying steps, when the config has their sizes (None otherwise)."""
+        if not self.config.prompt_graph_sizes:
+            return None
+        from flare.engine.prompt_graphs import PromptGraphs
+
+        graphs = PromptGraphs(self.model, self.kv_caches, self.config.prompt_graph_sizes, capture=capture)
+        graphs.capture_all()
+        return graphs
+
+    def use_prompt_graphs(self, graphs) -> None:
+        """Replay prompt-carrying steps through `graphs` (flare.engine.prompt_graphs.PromptGraphs over this
+        runner's model and caches, e.g. the ones export just checked); None: run them eagerly."""
+        self.prompt_graphs = graphs
 
     def reset(self) -> None:
         self.slots.reset()
@@ -90,7 +108,7 @@ class ModelRunner:
             query_start = list(range(len(plan.rows) + 1))
         else:
             inputs = flat_inputs(plan, self.slots, self.config.page_size)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self._forward(inputs)
             query_start, logits, token_ids = inputs.query_start, None, None
             if pending.sampling:
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
@@ -105,6 +123,12 @@ class ModelRunner:
             pending.copied = torch.cuda.Event()
             pending.copied.record()             # behind the step's copies to the host
         return pending
+
+    def _forward(self, inputs) -> torch.Tensor:
+        """A step outside the decode graphs: replayed by the prompt graphs when a bucket holds it."""
+        if self.prompt_graphs is not None and self.prompt_graphs.holds(inputs.meta.num_tokens):
+            return self.prompt_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
         """Decode rows only: one token each, sampled (grammar masks go into the graph's mask buffer)."""

@@ -207,6 +207,14 @@ def _compiled(package: Package, rank: Rank) -> dict | None:
     return {"torch_compile_bytes": len(data), "triton_kernel_bytes": len(triton_kernels), "prepared_with": key}
 
 
+def _prompt_steps_text(catalog: dict) -> str:
+    """The prompt-step buckets serving captures as piecewise graphs, or why those steps run eagerly."""
+    sizes, note = catalog.get("prompt_tokens") or [], catalog.get("prompt_note") or ""
+    if not sizes:
+        return "eager" + (f" ({note})" if note else " (prepared without a GPU)")
+    return f"piecewise graphs at {', '.join(map(str, sizes))} tokens ({note})"
+
+
 def _compiled_text(compiled: dict | None, read: bool) -> str:
     if compiled is None:
         return "none (prepared without a GPU)" if read else "not read (unverified)"
@@ -335,6 +343,7 @@ def _detail_sections(report: dict) -> list[Section]:
         result.append(Section(f"Graphs, rank {graphs['rank']}",
                               [("captured", _text(catalog.get("captured")) if catalog else "not read (unverified)"),
                                ("note", _text(catalog.get("note")) if catalog else "-"),
+                               ("prompt steps", _prompt_steps_text(catalog) if catalog else "-"),
                                ("compiled kernels", _compiled_text(graphs["compiled"], catalog is not None))]))
     if "frontend" in report:
         frontend = report["frontend"]

@@ -145,6 +145,10 @@ class Plan(_Record):
     online_fp8: tuple[str, ...] = ()
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"    # --kv-cache-dtype
     step_costs: StepCostTable | None = None    # measured at export on a GPU; None: not measured
+    # Token-count buckets of prompt-carrying and mixed steps that serving captures as piecewise graphs
+    # (flare.engine.prompt_graphs); set only when export captured them on the GPU and their replays
+    # matched the eager step. Empty: those steps run eagerly.
+    prompt_graph_sizes: tuple[Positive, ...] = ()
 
 
 class Sampling(_Record):
@@ -203,6 +207,8 @@ class GraphCatalog(_Record):
 
     captured: tuple[Positive, ...]
     note: str
+    prompt_tokens: tuple[Positive, ...] = ()    # the plan's prompt_graph_sizes
+    prompt_note: str = ""                       # what export's check of the prompt graphs found
 
     @classmethod
     def from_json(cls, text: str, where: str) -> "GraphCatalog":

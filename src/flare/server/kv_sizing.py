@@ -49,13 +49,15 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
 
 def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, scheduler_policy=None):
     """The EngineConfig for serving `model` with `pool`; records which limit bound the pool. Its decode
-    graphs are the plan's sizes that `concurrency` needs (all of them at the prepared concurrency)."""
-    from flare.engine.config import engine_config_for_pool
+    graphs are the plan's sizes that `concurrency` needs (all of them at the prepared concurrency), and
+    so are its prompt graphs' token buckets (those the step budget at `concurrency` reaches)."""
+    from flare.engine.config import engine_config_for_pool, prompt_sizes_for
     from flare.recipes.base import decode_capacities_for
 
     sizes = decode_capacities_for(model.decode_capacities, concurrency) if model.decode_capacities else ()
+    budget = step_token_budget(model.prefill_chunk, concurrency)
     return engine_config_for_pool(pool, max_concurrency=concurrency, prepared_context=model.max_model_len,
-                                  prefill_chunk=model.prefill_chunk,
-                                  max_num_batched_tokens=step_token_budget(model.prefill_chunk, concurrency),
+                                  prefill_chunk=model.prefill_chunk, max_num_batched_tokens=budget,
                                   prepared_concurrency=model.prepared_concurrency,
-                                  scheduler_policy=scheduler_policy, decode_graph_sizes=sizes)
+                                  scheduler_policy=scheduler_policy, decode_graph_sizes=sizes,
+                                  prompt_graph_sizes=prompt_sizes_for(model.prompt_graph_sizes, budget))

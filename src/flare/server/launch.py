@@ -300,7 +300,7 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         sampling=SamplingPolicy(manifest.sampling.defaults, manifest.sampling.ranges),
         memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
         decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype,
-        step_costs=step_costs_of(plan))
+        step_costs=step_costs_of(plan), prompt_graph_sizes=plan.prompt_graph_sizes)
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

@@ -1,0 +1,141 @@
+"""Prompt-carrying and mixed steps through the piecewise graphs of flare.engine.prompt_graphs: the engine's
+greedy tokens stay those of the plain eager step, steps past the largest bucket still run eagerly, and
+export's check captures every bucket and finds its replays equal to the eager step (GPU), or refuses.
+
+On a CPU the graphs run their padded forward eagerly on the same static buffers (capture=False); on a
+GPU the same tests capture and replay real graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flare.engine.config import EngineConfig
+from flare.engine.core import EngineCore
+from flare.engine.request import EngineRequest
+from flare.engine.sampling_params import SamplingParams
+from flare.errors import UsageError
+from tiny_checkpoints import write_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def test_buckets_run_from_small_ones_to_the_first_that_holds_the_step_budget():
+    from flare.engine.config import prompt_graph_sizes, prompt_sizes_for
+
+    assert prompt_graph_sizes(100) == (16, 32, 64, 128)
+    assert prompt_graph_sizes(4352) == (16, 32, 64, 128) + tuple(range(256, 4353, 256))
+    assert prompt_graph_sizes(257) == (16, 32, 64, 128, 256, 512)
+    assert prompt_graph_sizes(8) == (16,)
+    assert prompt_sizes_for((16, 32, 64, 256, 512), 40) == (16, 32, 64)     # serving below the prepared budget
+    assert prompt_sizes_for((), 40) == ()
+
+
+def test_the_engine_config_refuses_unordered_prompt_graph_sizes():
+    assert EngineConfig(prompt_graph_sizes=[16, 64]).prompt_graph_sizes == (16, 64)
+    with pytest.raises(UsageError, match=r"prompt_graph_sizes \[64, 16\] must be distinct positive sizes"):
+        EngineConfig(prompt_graph_sizes=(64, 16))
+
+
+def test_a_model_on_the_reference_backend_cannot_be_captured(tiny_llama):
+    from flare.engine.attention import TorchReferenceBackend
+    from flare.engine.prompt_graphs import PromptGraphs, check_prompt_graphs
+    from flare.models import load_checkpoint
+
+    cfg, model = load_checkpoint(tiny_llama, torch.float32, "cpu", TorchReferenceBackend())
+    caches = [torch.zeros(2, 4, 16, 2, 16)] * cfg.num_hidden_layers
+    with pytest.raises(ValueError, match="attention does not run the Triton backend"):
+        PromptGraphs(model, caches, (16,), capture=False)
+    check = check_prompt_graphs(model, caches, (16,), range(4), 16, cfg.vocab_size)
+    assert check.sizes == () and check.note == "not captured: attention does not run the Triton backend"
+
+
+def run_engine(directory, device, prompt_graph_sizes, seen=None):
+    """Two requests, then a 40-token prompt prefilled in chunks of 16 beside their decodes; greedy tokens
+    per request. `seen` collects the token count of every step the prompt graphs ran."""
+    from flare.engine.attention_triton import TritonBackend
+    from flare.engine.runner import ModelRunner
+    from flare.models import load_checkpoint
+
+    config = EngineConfig(max_concurrency=4, page_size=16, num_pages=32, max_model_len=128, prefill_chunk=16,
+                          max_num_batched_tokens=32, enable_prefix_caching=False, decode_graph_sizes=(1, 2, 4),
+                          prompt_graph_sizes=prompt_graph_sizes)
+    cfg, model = load_checkpoint(directory, torch.float32, device, TritonBackend())
+    runner = ModelRunner(model, cfg, config, device, torch.float32, seed=0, graphs=bool(prompt_graph_sizes))
+    if runner.prompt_graphs is not None and seen is not None:
+        real_run = runner.prompt_graphs.run
+
+        def observed(input_ids, positions, meta):
+            seen.append(input_ids.shape[0])
+            return real_run(input_ids, positions, meta)
+
+        runner.prompt_graphs.run = observed
+    core = EngineCore(config, runner)
+    generator = torch.Generator().manual_seed(5)
+
+    def add(request_id, length):
+        prompt = tuple(torch.randint(3, cfg.vocab_size, (length,), generator=generator).tolist())
+        core.add_request(EngineRequest(request_id, prompt, GREEDY))
+
+    add("a", 5)
+    add("b", 9)
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if "long" not in core.requests and len(tokens.get("a", ())) == 1:
+            add("long", 40)
+    return tokens
+
+
+@pytest.mark.parametrize("sizes", [(16, 32), (16,)])
+def test_prompt_and_mixed_steps_through_the_prompt_graphs_keep_the_eager_tokens(kernel_device, tiny_llama, sizes):
+    expected = run_engine(tiny_llama, kernel_device, ())
+    seen: list[int] = []
+    assert run_engine(tiny_llama, kernel_device, sizes, seen) == expected
+    assert sorted(expected) == ["a", "b", "long"]
+    assert 14 in seen and max(seen) <= sizes[-1]                 # the first step: both prompts, 14 tokens
+    if sizes == (16, 32):
+        assert any(count > 16 for count in seen)                     # decodes beside a 16-token chunk
+    # with (16,) alone, those steps ran eagerly beside the replays, and the tokens still agree
+
+
+def test_the_export_check_needs_a_gpu(tiny_llama):
+    from flare.engine.attention_triton import TritonBackend
+    from flare.engine.prompt_graphs import check_prompt_graphs
+    from flare.models import load_checkpoint
+
+    cfg, model = load_checkpoint(tiny_llama, torch.float32, "cpu", TritonBackend())
+    caches = [torch.zeros(2, 8, 16, 2, 16)] * cfg.num_hidden_layers
+    check = check_prompt_graphs(model, caches, (16,), range(8), 16, cfg.vocab_size)
+    assert (check.sizes, check.note, check.graphs) == ((), "not captured: CUDA graphs need a GPU", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_export_check_captures_every_bucket_and_finds_the_eager_step(tiny_llama, compiled, monkeypatch):
+    from flare.engine.attention import allocate_kv_caches
+    from flare.engine.attention_triton import TritonBackend
+    from flare.engine.compile import compile_model
+    from flare.engine.prompt_graphs import PromptGraphs, check_prompt_graphs, pages_to_check
+    from flare.models import load_checkpoint
+
+    cfg, model = load_checkpoint(tiny_llama, torch.bfloat16, "cuda", TritonBackend())
+    if compiled:
+        compile_model(model)
+    caches = allocate_kv_caches(cfg, 64, 16, torch.bfloat16, "cuda")
+    sizes = (16, 32, 64, 256)
+    assert pages_to_check(256, 16) == 3 + 19 <= 64              # a decode over 37 cached, 252 new over 37
+    check = check_prompt_graphs(model, caches, sizes, range(64), 16, cfg.vocab_size)
+    assert check.sizes == sizes, check.note
+    assert check.note.startswith("replays match the eager step") and check.graphs.sizes == sizes
+
+    monkeypatch.setattr(PromptGraphs, "_attend", lambda self, call, count, meta: None)   # attention left out
+    broken = check_prompt_graphs(model, caches, sizes, range(64), 16, cfg.vocab_size)
+    assert broken.sizes == () and "differs from the eager step" in broken.note
