@@ -143,12 +143,14 @@ def test_recipe_limits_are_consistent(recipe):
     assert 1 in recipe.tensor_parallel_sizes
 
 
-@pytest.mark.parametrize("recipe", registry.all_recipes(), ids=lambda recipe: recipe.family)
-def test_no_family_offers_speculation_without_a_draft_model(recipe):
-    speculation = recipe.speculation
-    assert not speculation.available
-    assert speculation.default_draft_tokens == speculation.max_draft_tokens == 0
-    assert "no draft model" in speculation.note
+@pytest.mark.parametrize("recipe,checkpoint", registry.all_checkpoints(), ids=_ids(registry.all_checkpoints()))
+def test_every_checkpoint_declares_its_speculation(recipe, checkpoint):
+    """Every dense family can verify drafts copied from decoded history; the counts are within limits."""
+    speculation = recipe.speculation_for(checkpoint)
+    assert speculation.available and speculation.history
+    assert 1 <= speculation.default_draft_tokens <= speculation.max_draft_tokens <= 15
+    assert speculation.token_capacity >= 2 * (speculation.max_draft_tokens + 1)
+    assert speculation.note
 
 
 @pytest.mark.parametrize("recipe,checkpoint", registry.all_checkpoints(),

@@ -24,7 +24,8 @@ from flare.package.export import ExportHooks, ExportSpec, export_entry
 from flare.package.manifest import GraphCatalog, License, Plan, Preparation, Sampling, StepCostTable
 from flare.package.signing import publishing_identity
 from flare.package.store import ModelCache, model_key_for
-from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
+from flare.recipes.base import DECODE_CAPACITIES, HISTORY_SPECULATION, Speculation, decode_capacities_for
+from flare.speculation_plan import PreparationFlags, plan_speculation, speculation_summary
 from flare.ui.progress import PhaseProgress, format_bytes
 
 
@@ -47,6 +48,7 @@ class RecipeFacts:
     sampling_ranges: dict = field(default_factory=dict)
     export_repository: str | None = None
     online_fp8_projections: tuple[str, ...] = ()    # what --online-mxfp8 converts; empty: it is refused
+    speculation: Speculation = HISTORY_SPECULATION        # the recipe's declaration for the checkpoint
 
     @classmethod
     def from_resolved(cls, resolved) -> "RecipeFacts":
@@ -69,7 +71,8 @@ class RecipeFacts:
                    sampling_defaults=sampling.defaults(),
                    sampling_ranges={name: list(bounds) for name, bounds in sampling.ranges.items()},
                    export_repository=checkpoint.export_repository if checkpoint is not None else None,
-                   online_fp8_projections=recipe.online_fp8_projections)
+                   online_fp8_projections=recipe.online_fp8_projections,
+                   speculation=recipe.speculation_for(checkpoint))
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class ExportOptions:
     compile_workers: int | None = None             # --compile-workers, else [preparation] compile_workers
     online_fp8: bool = False                       # --online-mxfp8: the recipe's projections stored as FP8
     kv_cache_dtype: str | None = None              # --kv-cache-dtype, else "auto" (the serving dtype)
+    speculation: PreparationFlags = PreparationFlags()     # --no-mtp, --mtp-draft-tokens, ...
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         selected = fit.selected
         plan = msgspec.structs.replace(plan, tensor_parallel=max(1, len(selected)))
         phase.done(f"{_device_label(selected)}; {dtype}; "
-                   f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}")
+                   f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}; "
+                   f"{_speculation_line(plan.speculation)}")
     _load_weights(progress, source.directory, plan, device)
     workers = resolve(COMPILE_WORKERS, options.compile_workers, settings.config).value    # None: automatic
     with fit.allocation_guard():
@@ -303,16 +308,20 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
     from flare.package import weights as wt
     from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
                                     snapshot_bytes)
+    from flare.speculation_plan import speculation_memory
+    token_bytes = kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype], kv_cache_dtype=plan.kv_cache_dtype)
+    speculation = plan.speculation
+    verify = speculation_memory(hf_config, plan.max_concurrency, speculation.draft_tokens if speculation else 0,
+                                speculation.token_capacity if speculation else None, plan.page_size, token_bytes)
     estimate = MemoryEstimate(
         weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype,
                                        wt.online_fp8_of(plan)),
         # What serving will set aside beside the pages, so that a package that prepares also serves here.
-        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk),
+        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk) + verify.scratch,
         live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan.page_size,
-                                                                  plan.max_model_len),
+                                                                  plan.max_model_len) + verify.per_request,
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
-        kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype],
-                                              kv_cache_dtype=plan.kv_cache_dtype),
+        kv_bytes_per_token=token_bytes,
         max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size)
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
     headroom = max(engine_headroom("preparation", plan.prefill_chunk), engine_headroom("serving"))
@@ -352,6 +361,12 @@ class MemoryFit:
                                      tensor_parallel_sizes=self.tensor_parallel_sizes)
 
 
+def _speculation_line(speculation) -> str:
+    if speculation is None:
+        return speculation_summary(None)
+    return speculation_summary(speculation.draft_tokens, speculation.adaptive)
+
+
 def _device_label(selected: tuple[int, ...]) -> str:
     if not selected:
         return "CPU (no CUDA GPU visible)"
@@ -369,12 +384,15 @@ def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_co
         raise UsageError(f"{concurrency.origin} is outside {recipe.name}'s range 1 through {recipe.max_concurrency}")
     chunk = resolve(PREFILL_CHUNK, options.prefill_chunk, settings.config, recipe.prefill_chunk).value
     online_fp8, kv_cache_dtype = _precision(recipe, options, hf_config)
+    capacities = tuple(decode_capacities_for(recipe.decode_capacities, concurrency.value))
+    speculation = plan_speculation(recipe.speculation, options.speculation, settings.config,
+                                   (recipe.model_id, *recipe.served_names, recipe.alias), capacities,
+                                   recipe.alias or recipe.model_id)
     return Plan(dtype=dtype, page_size=recipe.page_size, prefill_chunk=chunk, compile=options.compile,
-                max_concurrency=concurrency.value,
-                decode_capacities=tuple(decode_capacities_for(recipe.decode_capacities, concurrency.value)),
+                max_concurrency=concurrency.value, decode_capacities=capacities,
                 max_model_len=hf_config.get("max_position_embeddings"),
                 memory_reserve_bytes=settings.memory_reserve_bytes, tensor_parallel=1,
-                online_fp8=online_fp8, kv_cache_dtype=kv_cache_dtype)
+                online_fp8=online_fp8, kv_cache_dtype=kv_cache_dtype, speculation=speculation)
 
 
 def _precision(recipe: RecipeFacts, options: ExportOptions, hf_config: dict) -> tuple[tuple[str, ...], str]:

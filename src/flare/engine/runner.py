@@ -10,7 +10,10 @@ Nothing in `launch` waits for the device.
 
 On CUDA, a step whose rows all feed one token and sample (decode) replays a captured graph of the
 smallest catalog size that holds it (flare.engine.cuda_graphs), sampling inside the graph; other steps
-run the model directly (compiled when `compile_model` was applied) and call the same sampler.
+run the model directly (compiled when `compile_model` was applied) and call the same sampler. Rows that
+carry draft tokens (speculation) run that way too: their drafts are verified against the target's
+distributions at their 1 + k positions (flare.engine.speculation.verification), and each answers its
+accepted drafts and one more token.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from flare.engine.config import EngineConfig
 from flare.engine.logprobs import SelectedLogprobs, select_logprobs
 from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
+from flare.engine.speculation.verification import VerifiedRows, VerifyingRows, verify
 from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult
 from flare.engine.step_inputs import decode_rows, flat_inputs
 
@@ -48,7 +52,8 @@ class ModelRunner:
             from flare.engine.cuda_graphs import runs_triton_attention
 
             graphs = on_cuda and runs_triton_attention(model)
-        rows = max(config.decode_graph_sizes[-1], config.max_concurrency + 1)      # most rows one call samples
+        # Most rows one sampler call takes: a decode graph's, or every request's 1 + k verified positions.
+        rows = max(config.decode_graph_sizes[-1], config.max_concurrency * (1 + config.speculation.draft_tokens) + 1)
         self.sampler = DeviceSampler(config.max_concurrency, self.vocab_size, self.device, seed, max_rows=rows)
         # Padded rows (graphs) and the padding slot write into one extra page the allocator never hands out.
         self.kv_caches = allocate_kv_caches(model_config, config.num_pages + 1, config.page_size, dtype, self.device)
@@ -80,11 +85,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingResult:
-        if any(row.draft_token_ids for row in plan.rows):
-            raise NotImplementedError("draft tokens: this runner does not verify speculative tokens yet")
         self.slots.apply(plan)
         states = [self.slots.requests[row.slot] for row in plan.rows]
-        pending = PendingResult(plan, states, [i for i, row in enumerate(plan.rows) if row.samples])
+        sampling = [i for i, row in enumerate(plan.rows) if row.samples and not row.draft_token_ids]
+        pending = PendingResult(plan, states, sampling)
         if self._fits_graph(plan.rows):
             hidden, logits, token_ids = self.graphs.run(decode_rows(plan, self.slots), self._host_bitmask(plan.rows))
             query_start = list(range(len(plan.rows) + 1))
@@ -97,6 +101,8 @@ class ModelRunner:
                 token_ids = self.sampler.sample(logits, inputs.sample_slots, inputs.sample_positions,
                                                 self._token_bitmask([plan.rows[i] for i in pending.sampling]))
                 self.slots.last_sampled.index_copy_(0, inputs.sample_slots, token_ids)
+            if any(row.samples and row.draft_token_ids for row in plan.rows):
+                pending.verified = self._verify(plan, states, hidden, query_start)
         pending.prompt = self._prompt_logprobs(plan.rows, states, hidden, query_start)
         if pending.sampling:
             pending.token_ids = token_ids.to("cpu", non_blocking=True)
@@ -105,6 +111,15 @@ class ModelRunner:
             pending.copied = torch.cuda.Event()
             pending.copied.record()             # behind the step's copies to the host
         return pending
+
+    def _verify(self, plan: StepPlan, states: list[SlotRequest], hidden: torch.Tensor,
+                query_start: list[int]) -> VerifiedRows:
+        """The rows carrying drafts: accepted drafts and one token after them; each row's last token
+        becomes its slot's next input (flare.engine.speculation.verification)."""
+        batch = VerifyingRows.of(plan.rows, query_start, self.device)
+        verdict, verified = verify(self.model, self.sampler, hidden, batch, [states[i].params for i in batch.rows])
+        self.slots.last_sampled.index_copy_(0, batch.slots, verdict.last_tokens)
+        return verified
 
     def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
         """Decode rows only: one token each, sampled (grammar masks go into the graph's mask buffer)."""
@@ -164,6 +179,7 @@ class PendingResult:
     token_ids: torch.Tensor | None = None   # [len(sampling)], host memory once `event` has passed
     logprobs: tuple[list[int], SelectedLogprobs] | None = None      # (positions in `sampling`, selected)
     prompt: dict | None = None              # row -> (first prompt token scored, selected)
+    verified: VerifiedRows | None = None    # the rows that carried drafts (speculation)
     copied: torch.cuda.Event | None = None  # passed when the copies to the host are done (CUDA)
 
     def result(self) -> StepResult:
@@ -180,9 +196,12 @@ class PendingResult:
             entries = selected.entries([self.states[self.sampling[j]].params.logprobs for j in asked])
             for j, entry in zip(asked, entries):
                 logprobs[self.sampling[j]] = (entry,)
+        if self.verified is not None:
+            self.verified.fill(token_ids, logprobs, [state.params.logprobs for state in self.states])
         prompt: list[PromptLogprobs | None] = [None] * len(rows)
         for i, (first_token, selected) in (self.prompt or {}).items():
             prompt[i] = PromptLogprobs(first_token, tuple(selected.entries([self.states[i].params.prompt_logprobs]
                                                                            * selected.token_ids.shape[0])))
-        return StepResult(tuple(token_ids), tuple(logprobs) if self.logprobs else (),
+        any_logprobs = self.logprobs is not None or (self.verified is not None and self.verified.logprobs is not None)
+        return StepResult(tuple(token_ids), tuple(logprobs) if any_logprobs else (),
                           tuple(prompt) if self.prompt else ())

@@ -128,6 +128,27 @@ class StepCostTable(_Record):
             raise ValueError("step_costs.prompt_tokens must start at 0 (decodes alone)")
 
 
+class SpeculationProgram(_Record):
+    """One verification program of a speculative catalog (spec §3.1 B/D/W/P): `batch` requests (the
+    decode capacity), `drafts` drafts each, `width` = drafts + 1 target rows per request, `rows` =
+    batch x width target rows in all. Width one (ordinary decoding) is never listed: every batch has it."""
+
+    batch: Positive
+    drafts: Positive
+    width: Positive
+    rows: Positive
+
+
+class SpeculationPlan(_Record):
+    """Speculative decoding as prepared: `flare run` reduces it within these capacities, never beyond."""
+
+    draft_tokens: Count                     # most drafts per request and round (--mtp-draft-tokens)
+    adaptive: bool                          # the verification policy serving defaults to
+    token_capacity: Positive                # most target rows of a verification step (--speculative-token-capacity)
+    history: bool                           # drafts can be copied from each request's decoded history
+    programs: tuple[SpeculationProgram, ...]
+
+
 class Plan(_Record):
     """What preparation decided and serving follows."""
 
@@ -145,6 +166,7 @@ class Plan(_Record):
     online_fp8: tuple[str, ...] = ()
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"    # --kv-cache-dtype
     step_costs: StepCostTable | None = None    # measured at export on a GPU; None: not measured
+    speculation: SpeculationPlan | None = None      # None: --no-mtp, or a package from before speculation
 
 
 class Sampling(_Record):

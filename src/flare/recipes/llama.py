@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from flare.models.quantization import DECODER_PROJECTIONS
-from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
-                                Speculation, decode_weight_bytes, hub_checkpoint, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, Checkpoint, ConcurrencyRange, Recipe,
+                                SamplingDefaults, decode_weight_bytes, hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -74,8 +74,7 @@ RECIPE = Recipe(
     # at the cost of one more step per 4,096 prompt tokens.
     prefill_chunk=2048,
     decode_capacities=DECODE_CAPACITIES,
-    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Llama 3.x ships no draft model"),
+    speculation=HISTORY_SPECULATION,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
 )

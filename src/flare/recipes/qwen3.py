@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from flare.models.quantization import DECODER_PROJECTIONS
-from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
-                                hub_checkpoint, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, ConcurrencyRange, Recipe,
+                                SamplingDefaults, hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -68,8 +68,7 @@ RECIPE = Recipe(
     # and at these sizes one 4,096-token chunk still stalls concurrent decodes only briefly.
     prefill_chunk=4096,
     decode_capacities=DECODE_CAPACITIES,
-    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Qwen3 dense ships no draft model"),
+    speculation=HISTORY_SPECULATION,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
     reasoning_parser="qwen3",                  # <think>...</think>, switched by the template's enable_thinking

@@ -30,3 +30,4 @@ class ServedModel:
     decode_capacities: tuple[int, ...] = ()  # the plan's decode graph sizes; empty: the standard catalog
     kv_cache_dtype: str = "auto"           # the plan's KV cache dtype ("fp8": e4m3 with per-token scales)
     step_costs: Any = None                 # flare.engine.step_cost.StepCosts measured at export; None: none
+    speculation: Any = None                # the plan's flare.package.manifest.SpeculationPlan; None: none

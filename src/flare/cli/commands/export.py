@@ -35,6 +35,9 @@ def configure(parser):
     parser.add_argument("--config", type=Path, metavar="PATH",
                         help="configuration file (default ~/.config/flare/config.toml)")
     parser.add_argument("--verbose", action="store_true", help="per-phase detail on stderr")
+    from flare.cli.speculation_flags import add_preparation_arguments
+
+    add_preparation_arguments(parser)
     advanced = parser.add_argument_group("advanced")
     advanced.add_argument("--compile-workers", type=int, metavar="N",
                           help="CPU compiler processes for compiling forwards (overrides [preparation] "
@@ -44,6 +47,7 @@ def configure(parser):
 
 
 def run(args) -> int:
+    from flare.cli.speculation_flags import preparation_flags
     from flare.prepare import ExportOptions, check_flags, export_model
     from flare.ui.progress import PhaseProgress
 
@@ -59,7 +63,8 @@ def run(args) -> int:
         weight_mode="no-weights" if args.no_weights else "reuse-weights" if args.reuse_weights else "normal",
         repo_id=args.repo_id, official_source=args.official_source, publisher_keys=tuple(args.publisher_key),
         config_path=args.config, compile=not args.no_compile, compile_workers=args.compile_workers,
-        online_fp8=args.online_mxfp8, kv_cache_dtype=args.kv_cache_dtype)
+        online_fp8=args.online_mxfp8, kv_cache_dtype=args.kv_cache_dtype,
+        speculation=preparation_flags(args))
     check_flags(options)                                   # before MODEL is resolved or downloaded
     source, recipe = _resolve(args)
     entry = export_model(source, recipe, options, PhaseProgress(verbose=args.verbose))
