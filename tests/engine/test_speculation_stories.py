@@ -85,12 +85,14 @@ def test_drafts_never_reach_the_prefix_cache(stories260k, checked, plain):
     assert list(again.new_token_ids) == plain[1][40:80]
 
 
-def test_sampled_output_with_drafts_is_reproducible_by_seed(stories260k, checked):
+def test_seeded_sampled_output_with_history_drafts_is_the_output_without(stories260k, checked):
+    """History drafts are verified against the sampler's own draws: a seeded request's tokens are the
+    ones it gets without drafts, whatever the verification widths were."""
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=60, seed=seed) for seed in (1, 2, 3, 4)]
-    first, llm = generate(stories260k, checked, PROMPTS, params, HISTORY)
-    again, _ = generate(stories260k, checked, PROMPTS[::-1], params[::-1], HISTORY, max_num_batched_tokens=64)
-    assert first == again[::-1]
-    assert llm.core.stats().speculative_rounds > 0
+    drafted, llm = generate(stories260k, checked, PROMPTS, params, HISTORY)
+    plain, _ = generate(stories260k, checked, PROMPTS[::-1], params[::-1], max_num_batched_tokens=64)
+    assert drafted == plain[::-1]
+    assert llm.core.stats().draft_tokens_accepted > 0
 
 
 def test_requests_with_penalties_decode_without_drafts(stories260k, checked):

@@ -1,5 +1,6 @@
 """Verification of drafts: greedy rows accept exactly the argmax chain; sampled rows come out distributed
-exactly as the target's distributions, whatever the drafts were proposed from (a statistical test)."""
+exactly as the target's distributions, whatever the drafts were proposed from (a statistical test):
+rejection sampling for drafts drawn from a draft distribution, the sampler's own draws for point masses."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import math
 import pytest
 import torch
 
-from flare.engine.speculation.acceptance import accept_drafts, uniforms
-from flare.kernels.sampling_reference import PURPOSE_ACCEPT, counter_uniform
+from flare.engine.sampler import DeviceSampler, slot_params
+from flare.engine.sampling_params import SamplingParams
+from flare.engine.speculation.acceptance import accept_drafts, accept_matching, uniforms
+from flare.kernels.sampling_reference import FIELD_SEED_LO, PURPOSE_ACCEPT, counter_uniform
 
 VOCAB, DEPTH, TRIALS = 6, 3, 60_000
 
@@ -68,13 +71,33 @@ def test_drafts_from_a_draft_distribution_leave_the_target_distribution_exact():
     assert 0 < (verdict.counts == 1).float().mean() < 1 and (verdict.counts == DEPTH + 1).any()
 
 
-def test_point_mass_drafts_leave_the_target_distribution_exact():
+def sampler_with_seeds(count: int, params) -> DeviceSampler:
+    """A reference DeviceSampler whose slots 0..count-1 sample with `params` and seeds 0..count-1."""
+    sampler = DeviceSampler(count, VOCAB, "cpu", use_triton=False)
+    row = slot_params(params, VOCAB, seed=0).encode()
+    sampler.tables.params[:count] = row
+    sampler.tables.params[:count, FIELD_SEED_LO] = torch.arange(count, dtype=torch.int32)
+    return sampler
+
+
+def test_point_mass_drafts_leave_the_target_distribution_exact_and_equal_plain_sampling():
+    """History drafts: the sampler's own draw at each position decides, so the tokens are distributed as the
+    target's and are the very tokens plain sampling gives at those positions."""
     generator = torch.Generator().manual_seed(1)
     p = distributions(generator, DEPTH + 1)
-    # Drawn at random but verified as point masses (as history drafts are): any draft independent of the
-    # verifier's uniforms keeps the output exact. Drawn near p, so later positions are reached too.
+    # Drafts drawn near p, so later positions are reached too; any draft independent of the draws works.
     drafts = torch.multinomial(p[:DEPTH], TRIALS, replacement=True, generator=generator).T.contiguous()
-    check_output_distribution(trials(p, None, drafts), p)
+    sampler = sampler_with_seeds(TRIALS, SamplingParams(temperature=1.0))
+    slots = torch.arange(TRIALS).repeat_interleave(DEPTH + 1)
+    positions = (17 + torch.arange(DEPTH + 1)).repeat(TRIALS)
+    logits = torch.log(p).repeat(TRIALS, 1)
+    sampled = sampler.sample(logits, slots, positions).view(TRIALS, DEPTH + 1)
+    verdict = accept_matching(sampled, drafts, torch.full((TRIALS,), DEPTH))
+    check_output_distribution(verdict, p)
+    plain = sampler.sample(logits[:DEPTH + 1], slots[:DEPTH + 1], positions[:DEPTH + 1])
+    assert torch.equal(verdict.tokens[0], plain)
+    accepted = verdict.counts - 1
+    assert (accepted == 0).any() and (accepted == DEPTH).any()
 
 
 def test_the_distribution_check_catches_a_verifier_that_keeps_its_drafts():

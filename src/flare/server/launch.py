@@ -191,12 +191,13 @@ def serving_speculation_settings(listener: ListenerOptions, model: ServedModel):
     return serving_speculation(model.speculation, listener.speculation or ServingFlags())
 
 
-def speculation_line(model: ServedModel, settings) -> str:
+def speculation_line(settings) -> str:
+    """The startup report's account of the engine's SpeculationSettings."""
     from flare.speculation_plan import speculation_summary
 
-    if model.speculation is None:
+    if settings.draft_tokens == 0:
         return speculation_summary(None)
-    if not settings.enabled and settings.draft_tokens:
+    if not settings.enabled:
         return (f"speculation: up to {settings.draft_tokens} draft tokens prepared, none proposed "
                 "(no learned draft; --history-drafts copies them from decoded history)")
     return "speculation: " + speculation_summary(settings.draft_tokens, settings.adaptive, settings.history)

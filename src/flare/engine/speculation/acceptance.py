@@ -14,6 +14,14 @@ The tokens that come out are distributed exactly as the target's own, one at a t
 Greedy rows have a one-hot p (at the processed argmax): a draft is accepted exactly when it is the
 argmax, and the token after is the argmax, so greedy output equals decoding without drafts.
 
+Point-mass drafts (proposed without a distribution, as history drafts are) take `accept_matching`
+instead: the target's own sample at each of the 1 + k positions (the sampler's draw with its uniforms
+for that position, exactly as decoding without drafts draws it) is compared with the draft there, and
+the drafts are accepted while they match. A draft d is then accepted with probability p(d), and on a
+rejection the token is the sample itself, distributed as p without d: the point-mass case of the rule
+above, so the law is the same, and in addition a seeded request's tokens are the very tokens it gets
+without drafts, whatever was proposed or how many.
+
 Random numbers are the sampler's counter-based uniforms u(seed, position, index, purpose): the
 acceptance test of the draft for position t uses (t, 0, PURPOSE_ACCEPT), the residual draw at t uses
 (t, token, PURPOSE_RESIDUAL), the bonus draw (t, token, PURPOSE_SAMPLE) as plain sampling does. A
@@ -75,6 +83,15 @@ def accept_drafts(target_probs: torch.Tensor, drafts: torch.Tensor, num_drafts: 
     tokens = torch.cat([drafts, drafts.new_zeros(rows, 1)], dim=1)
     tokens[row_index, num_accepted] = drawn
     return Verdict(tokens, num_accepted + 1)
+
+
+def accept_matching(sampled: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> Verdict:
+    """sampled [R, 1 + K]: the target's sample at each position (`DeviceSampler.sample`); drafts [R, K]
+    point masses. The drafts are accepted while each equals the sample at its position."""
+    depth = drafts.shape[1]
+    offsets = torch.arange(depth, device=drafts.device)
+    matches = (offsets < num_drafts[:, None]) & (drafts == sampled[:, :depth])
+    return Verdict(sampled, matches.long().cumprod(dim=1).sum(dim=1) + 1)
 
 
 def _residual(p_next: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,

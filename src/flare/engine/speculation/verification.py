@@ -21,7 +21,7 @@ import torch
 from flare.engine.batch_slots import to_device
 from flare.engine.logprobs import SelectedLogprobs, select_logprobs
 from flare.engine.sampling_params import SamplingParams
-from flare.engine.speculation.acceptance import Verdict, accept_drafts
+from flare.engine.speculation.acceptance import Verdict, accept_drafts, accept_matching
 from flare.engine.speculation.settings import speculates
 from flare.engine.step import ScheduledRow
 from flare.kernels.sampling_reference import RowParams
@@ -92,10 +92,16 @@ def verify(model, sampler, hidden: torch.Tensor, batch: VerifyingRows, params: l
         raise RuntimeError("a row with drafts samples with penalties; such requests must not be drafted for")
     logits = model.compute_logits(hidden.index_select(0, batch.hidden_rows))
     width, vocab_size = batch.width, logits.shape[1]
-    probs = sampler.target_probs(logits, batch.slots.repeat_interleave(width))
-    seeds = RowParams.gather(sampler.tables, batch.slots)
-    verdict = accept_drafts(probs.view(-1, width, vocab_size), batch.drafts, batch.num_drafts,
-                            seeds.seed_lo[:, 0], seeds.seed_hi[:, 0], batch.first_positions, draft_probs)
+    slots = batch.slots.repeat_interleave(width)
+    if draft_probs is None:                 # point masses: the sampler's own draws decide (acceptance module)
+        positions = (batch.first_positions[:, None] + torch.arange(width, device=logits.device)).ravel()
+        sampled = sampler.sample(logits, slots, positions).view(-1, width)
+        verdict = accept_matching(sampled, batch.drafts, batch.num_drafts)
+    else:
+        probs = sampler.target_probs(logits, slots)
+        seeds = RowParams.gather(sampler.tables, batch.slots)
+        verdict = accept_drafts(probs.view(-1, width, vocab_size), batch.drafts, batch.num_drafts,
+                                seeds.seed_lo[:, 0], seeds.seed_hi[:, 0], batch.first_positions, draft_probs)
     verified = VerifiedRows(batch.rows, verdict.tokens.to("cpu", non_blocking=True),
                             verdict.counts.to("cpu", non_blocking=True))
     asked = [r for r, p in enumerate(params) if p.logprobs is not None]
