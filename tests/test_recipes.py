@@ -252,3 +252,14 @@ def test_recipes_import_without_torch_or_hub_libraries():
             f"print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY_MODULES!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("recipe,checkpoint", [pair for pair in registry.all_checkpoints()
+                                               if pair[0].speculation_for(pair[1]).draft is not None],
+                         ids=lambda value: getattr(value, "alias", getattr(value, "family", "")))
+def test_a_declared_draft_is_a_smaller_checkpoint_of_the_same_vocabulary(recipe, checkpoint):
+    draft = recipe.speculation_for(checkpoint).draft
+    assert draft.config["vocab_size"] == checkpoint.config["vocab_size"]
+    assert draft.decode_weight_bytes < checkpoint.decode_weight_bytes / 3       # drafting is cheap beside it
+    assert draft.revision and len(draft.revision) == 40
+    assert draft in recipe.checkpoints, "a draft is one of the family's declared checkpoints"

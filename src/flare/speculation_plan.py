@@ -16,6 +16,7 @@ by name, and a `[defaults]` budget is ignored, as the spec says for recipes it d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 from flare.config import SPECULATIVE_GRAPH_BUDGET, SPECULATIVE_TOKEN_CAPACITY, resolve
@@ -62,9 +63,10 @@ def catalog_programs(capacities: Iterable[int], draft_tokens: int, token_capacit
 
 
 def plan_speculation(declared, flags: PreparationFlags, config: Any, names: Iterable[str],
-                     decode_capacities: tuple[int, ...], model: str) -> SpeculationPlan | None:
+                     decode_capacities: tuple[int, ...], model: str, draft=None) -> SpeculationPlan | None:
     """The plan's speculation record for a recipe's declaration (`recipes.base.Speculation`) and the flags;
-    None under --no-mtp. `model` names the checkpoint in messages (its alias)."""
+    None under --no-mtp. `model` names the checkpoint in messages (its alias); `draft` is the learned
+    draft the preparation brings (`manifest.DraftModel`), kept even at 0 draft tokens (its state stays)."""
     names = tuple(name for name in names if name)
     _refuse_graph_budget(flags, config, names)
     if flags.no_mtp:
@@ -87,7 +89,7 @@ def plan_speculation(declared, flags: PreparationFlags, config: Any, names: Iter
         raise UsageError(f"{capacity.origin} holds no verification round: one request with one draft needs "
                          f"2 target rows; raise it to at least 2, or prepare with --mtp-draft-tokens 0")
     return SpeculationPlan(draft_tokens=draft_tokens, adaptive=not flags.fixed_verification,
-                           token_capacity=capacity.value, history=declared.history, programs=programs)
+                           token_capacity=capacity.value, history=declared.history, programs=programs, draft=draft)
 
 
 def _refuse_graph_budget(flags: PreparationFlags, config: Any, names: tuple[str, ...]) -> None:
@@ -190,3 +192,30 @@ def speculation_memory(hf_config: dict, concurrency: int, draft_tokens: int, max
         rows = min(rows, max_rows)
     return SpeculationMemory(scratch=rows * vocab * 2 * 4 + concurrency * vocab * 2 * 8,
                              per_request=page_size * kv_bytes_per_token)
+
+
+DRAFT_FOLDER = "draft"          # a checkpoint supplies its draft model here (as Kimi's supplies dspark/, spec §8)
+
+
+def supplied_draft(checkpoint_dir: Path) -> Path | None:
+    """The draft model a checkpoint directory supplies in `draft/` (config.json and safetensors), or None."""
+    folder = Path(checkpoint_dir) / DRAFT_FOLDER
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    return None
+
+
+def fetch_draft(declared, checkpoint_dir: Path, hub_options) -> tuple[Path, str | None, str | None] | None:
+    """(directory, repository, revision) of the learned draft a preparation uses: the one the checkpoint
+    supplies in draft/, else the recipe's declared draft (`recipes.base.Speculation.draft`) from the hub
+    cache at its pinned revision, downloaded if needed; None when there is neither."""
+    supplied = supplied_draft(checkpoint_dir)
+    if supplied is not None:
+        return supplied, None, None
+    if declared.draft is None:
+        return None
+    from flare.hub import download_snapshot, resolve_revision
+
+    draft = declared.draft
+    commit = resolve_revision(draft.repo_id, draft.revision, hub_options)
+    return Path(download_snapshot(draft.repo_id, commit, hub_options)), draft.repo_id, commit

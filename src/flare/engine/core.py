@@ -127,6 +127,8 @@ class EngineCore:
             drafter = HistoryDrafter()
         self.drafter = drafter
         self.speculation = SpeculationCounters(speculation.draft_tokens)
+        # Steps are planned with drafts: from the drafter, or proposed by the runner's draft model.
+        self._speculates = speculation.draft_tokens > 0 and (drafter is not None or speculation.draft_model)
         self.widths = VerificationWidth(speculation.draft_tokens, speculation.adaptive, speculation.alpha,
                                         speculation.max_verification_tokens, speculation.exact_verification_tokens,
                                         config.decode_graph_sizes)
@@ -240,7 +242,7 @@ class EngineCore:
         """Plan the next step and start it; the requests advance as if it had run already. `previous` is
         the step still in flight, whose ids the next tokens' masks may need."""
         started = time.perf_counter()
-        offered = self._propose_drafts() if self.drafter is not None else None
+        offered = self._propose_drafts() if self._speculates else None
         scheduled = self.scheduler.schedule()
         if not scheduled.plan.rows:
             return None
@@ -248,7 +250,7 @@ class EngineCore:
         pending = self.runner.launch(plan)
         runs_ahead, max_model_len = True, self.config.max_model_len
         for row, request in zip(plan.rows, scheduled.requests):
-            request.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids)
+            request.num_computed_tokens += row.num_fed_tokens
             if row.samples:
                 request.num_pending_outputs += 1
                 runs_ahead = runs_ahead and self._samples_ahead(row, request)
@@ -259,7 +261,7 @@ class EngineCore:
 
     def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
         """Whether the request's next row may be planned before this one's ids arrive."""
-        if row.draft_token_ids or self.drafter is not None:
+        if row.num_drafts or self._speculates:
             return False
         if request.samples_ahead is None:                   # its params never change: ask once
             request.samples_ahead = self.runner.samples_ahead(request.params)
@@ -271,13 +273,15 @@ class EngineCore:
         masker = self.token_masker
         candidates = []
         for request in self.scheduler.running:
-            request.draft_token_ids = ()
+            request.draft_token_ids, request.num_proposed_drafts = (), 0
             decoding = request.num_uncomputed_tokens == 1 and request.num_pending_outputs == 0
             if decoding and speculates(request.params) and not (masker is not None and masker.constrains(request)):
                 candidates.append(request)
         limit = self.widths.drafts_for(len(candidates))
         for request in candidates:
-            request.draft_token_ids = self.drafter.propose(request, limit)
+            drafts = self.drafter.propose(request, limit) if self.drafter is not None else ()
+            request.draft_token_ids = drafts
+            request.num_proposed_drafts = limit - len(drafts) if self.config.speculation.draft_model else 0
         return len(candidates), limit
 
     def _with_token_masks(self, scheduled: SchedulerOutput, previous: _Launched | None) -> StepPlan:
@@ -325,16 +329,16 @@ class EngineCore:
         for index, (row, request) in enumerate(zip(launched.plan.rows, launched.requests)):
             if request.status is finished:
                 continue
-            computed += row.num_new_tokens - len(row.draft_token_ids)
+            computed += row.num_fed_tokens
             found = result.prompt_logprobs[index] if result.prompt_logprobs else None
             if found is not None:
                 add_prompt_logprobs(request, found.first_token, found.entries)
             if row.samples:
                 token_ids = result.token_ids[index]
                 computed += len(token_ids) - 1                     # accepted drafts
-                if row.draft_token_ids:
-                    self.speculation.count(len(row.draft_token_ids), len(token_ids) - 1)
-                    self.widths.observe_round(len(row.draft_token_ids), len(token_ids) - 1)
+                if row.num_drafts:
+                    self.speculation.count(row.num_drafts, len(token_ids) - 1)
+                    self.widths.observe_round(row.num_drafts, len(token_ids) - 1)
                 outputs.append(self._append_tokens(request, token_ids, result.row_logprobs(index)))
         self._num_computed_tokens += computed
         if launched.drafts_offered is not None and not launched.runs_ahead:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flare.engine.config import EngineConfig
+from flare.errors import UsageError
 
 if TYPE_CHECKING:
     from flare.engine.messages import StartupProgress
@@ -38,6 +39,7 @@ class LoadedModel:
     dtype: str = "float32"
     compile_layers: bool = True         # on CUDA, compile the decoder layers (False: --no-compile packages)
     tokenizer_dir: str | None = None    # the tokenizer's files: the vocabulary grammars compile against
+    draft: tuple | None = None          # (draft model, its ModelConfig): a draft sharing the tokenizer
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,35 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     eos = merge_token_ids(model_config.eos_token_ids, generation_eos_token_ids(directory), extra_eos_token_ids)
     if engine_config is None:
         engine_config = default_engine_config(model_config.max_position_embeddings)
-    return LoadedModel(model_config, model, eos, engine_config, device, dtype, tokenizer_dir=str(directory))
+    draft = None
+    if engine_config.speculation.draft_model and engine_config.speculation.draft_tokens:
+        draft = load_draft_model(directory, model_config, getattr(torch, dtype), device)
+    return LoadedModel(model_config, model, eos, engine_config, device, dtype, tokenizer_dir=str(directory),
+                       draft=draft)
+
+
+def load_draft_model(directory: Path, target_config, dtype, device) -> tuple:
+    """The draft model a checkpoint supplies in its `draft/` folder (flare.speculation_plan.supplied_draft),
+    as (model, ModelConfig); refused unless it shares the target's vocabulary."""
+    from flare.models import load_checkpoint
+    from flare.speculation_plan import supplied_draft
+
+    found = supplied_draft(directory)
+    if found is None:
+        raise UsageError(f"speculation with a draft model needs one: {directory} has no draft/ folder with a "
+                         "config.json and safetensors weights")
+    from flare.models.loader import read_model_config
+
+    head_dim = read_model_config(found).head_dim
+    config, model = load_checkpoint(found, dtype, device, attention_backend(device, head_dim))
+    check_draft_vocabulary(config, target_config)
+    return model, config
+
+
+def check_draft_vocabulary(draft_config, target_config) -> None:
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise UsageError(f"the draft model's vocabulary has {draft_config.vocab_size:,} tokens and the target's "
+                         f"{target_config.vocab_size:,}: a draft model must share the target's tokenizer")
 
 
 def generation_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
@@ -148,7 +178,7 @@ def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Cal
 
         compile_model(loaded.model)
     runner = ModelRunner(loaded.model, loaded.model_config, loaded.engine_config, loaded.device,
-                         getattr(torch, loaded.dtype), seed, graphs=fast)
+                         getattr(torch, loaded.dtype), seed, graphs=fast, draft=loaded.draft)
     if load_tokenizer is None and loaded.tokenizer_dir is not None:
         load_tokenizer = partial(_hf_tokenizer, loaded.tokenizer_dir)
     structured = (StructuredOutputs(load_tokenizer, runner.vocab_size, loaded.eos_token_ids)

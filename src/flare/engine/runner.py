@@ -28,7 +28,7 @@ from flare.engine.config import EngineConfig
 from flare.engine.logprobs import SelectedLogprobs, select_logprobs
 from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
-from flare.engine.speculation.verification import VerifiedRows, VerifyingRows, verify
+from flare.engine.speculation.verification import VerifiedRows, VerifyingRows, verify, with_proposal
 from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult
 from flare.engine.step_inputs import decode_rows, flat_inputs
 
@@ -40,7 +40,8 @@ class ModelRunner:
 
     def __init__(self, model, model_config, config: EngineConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int | None = None, graphs: bool | None = None,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, draft=None) -> None:
+        """`draft`: (model, ModelConfig) of a draft model sharing the target's tokenizer, or None."""
         from flare.engine.attention import allocate_kv_caches
 
         self.model = model
@@ -59,8 +60,14 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model_config, config.num_pages + 1, config.page_size, dtype, self.device)
         self.slots = BatchSlots(config.max_concurrency, config.max_pages_per_request, config.num_pages, self.device,
                                 self.sampler)
+        self.proposer = None
+        if draft is not None and config.speculation.draft_tokens:
+            from flare.engine.speculation.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer(*draft, config.num_pages, config.page_size, config.max_concurrency,
+                                               dtype, self.device)
         self.graphs = None
-        if graphs:
+        if graphs and self.proposer is None:        # the draft model runs beside every step: eagerly
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
 
     def _build_graphs(self, capture: bool):
@@ -87,13 +94,16 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> PendingResult:
         self.slots.apply(plan)
         states = [self.slots.requests[row.slot] for row in plan.rows]
-        sampling = [i for i, row in enumerate(plan.rows) if row.samples and not row.draft_token_ids]
+        sampling = [i for i, row in enumerate(plan.rows) if row.samples and not row.num_drafts]
         pending = PendingResult(plan, states, sampling)
         if self._fits_graph(plan.rows):
             hidden, logits, token_ids = self.graphs.run(decode_rows(plan, self.slots), self._host_bitmask(plan.rows))
             query_start = list(range(len(plan.rows) + 1))
         else:
+            proposal = self.proposer.run(plan, self.slots, self.sampler) if self.proposer is not None else None
             inputs = flat_inputs(plan, self.slots, self.config.page_size)
+            if proposal is not None:
+                place_proposal(inputs, plan, proposal)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             query_start, logits, token_ids = inputs.query_start, None, None
             if pending.sampling:
@@ -101,8 +111,10 @@ class ModelRunner:
                 token_ids = self.sampler.sample(logits, inputs.sample_slots, inputs.sample_positions,
                                                 self._token_bitmask([plan.rows[i] for i in pending.sampling]))
                 self.slots.last_sampled.index_copy_(0, inputs.sample_slots, token_ids)
-            if any(row.samples and row.draft_token_ids for row in plan.rows):
-                pending.verified = self._verify(plan, states, hidden, query_start)
+            if any(row.samples and row.num_drafts for row in plan.rows):
+                pending.verified = self._verify(plan, states, hidden, inputs, proposal)
+            elif self.proposer is not None and pending.sampling:
+                self.proposer.remember(inputs.sample_slots, inputs.input_ids.index_select(0, inputs.sample_rows))
         pending.prompt = self._prompt_logprobs(plan.rows, states, hidden, query_start)
         if pending.sampling:
             pending.token_ids = token_ids.to("cpu", non_blocking=True)
@@ -112,13 +124,23 @@ class ModelRunner:
             pending.copied.record()             # behind the step's copies to the host
         return pending
 
-    def _verify(self, plan: StepPlan, states: list[SlotRequest], hidden: torch.Tensor,
-                query_start: list[int]) -> VerifiedRows:
+    def _verify(self, plan: StepPlan, states: list[SlotRequest], hidden: torch.Tensor, inputs,
+                proposal) -> VerifiedRows:
         """The rows carrying drafts: accepted drafts and one token after them; each row's last token
-        becomes its slot's next input (flare.engine.speculation.verification)."""
-        batch = VerifyingRows.of(plan.rows, query_start, self.device)
-        verdict, verified = verify(self.model, self.sampler, hidden, batch, [states[i].params for i in batch.rows])
+        becomes its slot's next input (flare.engine.speculation.verification). With a draft model, each
+        sampling row's token before its last becomes the draft's `previous`."""
+        batch = VerifyingRows.of(plan.rows, inputs.query_start, self.device)
+        probs = None
+        if proposal is not None:
+            batch, probs = with_proposal(batch, plan.rows, proposal, self.vocab_size)
+        verdict, verified = verify(self.model, self.sampler, hidden, batch, [states[i].params for i in batch.rows],
+                                   probs)
         self.slots.last_sampled.index_copy_(0, batch.slots, verdict.last_tokens)
+        if self.proposer is not None:
+            kept = batch.hidden_rows.view(len(batch.rows), batch.width).gather(1, (verdict.counts - 1)[:, None])[:, 0]
+            slots = torch.cat([inputs.sample_slots, batch.slots])
+            rows = torch.cat([inputs.sample_rows, kept])
+            self.proposer.remember(slots, inputs.input_ids.index_select(0, rows))
         return verified
 
     def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
@@ -167,6 +189,19 @@ class ModelRunner:
             targets = to_device(np.array(state.prompt_token_ids[first + 1:last + 1], dtype=np.int64), self.device)
             found[i] = (first + 1, select_logprobs(logprobs, targets, state.params.prompt_logprobs).to_host())
         return found
+
+
+def place_proposal(inputs, plan: StepPlan, proposal) -> None:
+    """Write the draft model's tokens into the step's input ids, after each row's core drafts."""
+    targets, sources = [], []
+    width = proposal.tokens.shape[1]
+    for p, (i, count) in enumerate(zip(proposal.rows, proposal.counts)):
+        row = plan.rows[i]
+        first = inputs.query_start[i] + row.num_fed_tokens + len(row.draft_token_ids)
+        targets += range(first, first + count)
+        sources += range(p * width, p * width + count)
+    index = to_device(np.array([targets, sources], dtype=np.int64), inputs.input_ids.device)
+    inputs.input_ids.index_copy_(0, index[0], proposal.tokens.reshape(-1).index_select(0, index[1]))
 
 
 @dataclass

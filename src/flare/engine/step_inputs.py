@@ -63,8 +63,9 @@ def flat_inputs(plan: StepPlan, slots: BatchSlots, page_size: int) -> FlatInputs
             from_sampled.append((offset, row.slot))
         else:
             input_ids[offset:offset + fed] = ids
-        input_ids[offset + fed:query_start[i + 1]] = row.draft_token_ids
-        if row.samples and not row.draft_token_ids:     # verifying rows: flare.engine.speculation.verification
+        # The core's drafts; the runner's draft model writes its own after them, on the device.
+        input_ids[offset + fed:offset + fed + len(row.draft_token_ids)] = row.draft_token_ids
+        if row.samples and not row.num_drafts:      # verifying rows: flare.engine.speculation.verification
             sample_rows.append(offset + fed - 1)
             sample_slots.append(row.slot)
             sample_positions.append(row.num_computed_tokens + fed)

@@ -195,9 +195,12 @@ def _speculation(manifest: Manifest) -> dict | None:
     speculation = manifest.plan.speculation
     if speculation is None:
         return None
+    draft = speculation.draft
     return {"draft_tokens": speculation.draft_tokens, "adaptive": speculation.adaptive,
             "token_capacity": speculation.token_capacity, "history_drafts": speculation.history,
-            "draft_model": None}
+            "draft_model": None if draft is None else {
+                "kind": draft.kind, "repo_id": draft.repo_id, "revision": draft.revision,
+                "layers": draft.config.get("num_hidden_layers"), "hidden_size": draft.config.get("hidden_size")}}
 
 
 def _programs(manifest: Manifest) -> dict | None:

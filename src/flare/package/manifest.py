@@ -139,6 +139,18 @@ class SpeculationProgram(_Record):
     rows: Positive
 
 
+DRAFT_WEIGHTS = "weights/draft/"           # the payloads of a learned draft's weights
+
+
+class DraftModel(_Record):
+    """A learned draft whose weights are this package's `weights/draft/` payloads."""
+
+    kind: Literal["model"]                  # a small model sharing the target's tokenizer
+    repo_id: str | None                     # where it came from (None: supplied in the checkpoint's draft/)
+    revision: str | None
+    config: dict[str, Any]                  # its config.json, opaque here
+
+
 class SpeculationPlan(_Record):
     """Speculative decoding as prepared: `flare run` reduces it within these capacities, never beyond."""
 
@@ -147,6 +159,7 @@ class SpeculationPlan(_Record):
     token_capacity: Positive                # most target rows of a verification step (--speculative-token-capacity)
     history: bool                           # drafts can be copied from each request's decoded history
     programs: tuple[SpeculationProgram, ...]
+    draft: DraftModel | None = None         # None: drafts come from history only
 
 
 class Plan(_Record):

@@ -87,6 +87,15 @@ class Speculation:
     note: str = ""
     history: bool = False
     token_capacity: int = 128
+    # A learned draft: a small checkpoint of the same tokenizer, fetched into the hub cache at export
+    # (unless the target checkpoint supplies one in draft/; --no-mtp fetches nothing).
+    draft: Checkpoint | None = None
+
+
+def draft_speculation(draft: Checkpoint, name: str) -> Speculation:
+    """Speculation with `draft` (named `name` for people) as the learned draft, history drafts beside it."""
+    return Speculation(available=True, default_draft_tokens=4, max_draft_tokens=8, history=True, draft=draft,
+                       note=f"{name} drafts (it shares the tokenizer); history drafts with flare run --history-drafts")
 
 
 # Every dense family here verifies drafts copied from a request's history; without a learned draft they are

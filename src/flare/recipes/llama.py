@@ -6,7 +6,8 @@ from functools import partial
 
 from flare.models.quantization import DECODER_PROJECTIONS
 from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, Checkpoint, ConcurrencyRange, Recipe,
-                                SamplingDefaults, decode_weight_bytes, hub_checkpoint, sampling_ranges)
+                                SamplingDefaults, decode_weight_bytes, draft_speculation, hub_checkpoint,
+                                sampling_ranges)
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -61,6 +62,11 @@ FP8_CHECKPOINTS = (
 SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=0, min_p=0.0, ranges=sampling_ranges(),
                             source="generation_config.json of Llama-3.1-8B-Instruct")
 
+# Llama-3.2-1B-Instruct drafts for Llama 3.1 8B and 70B: the same 128,256-token vocabulary (above); export
+# checks that the two config.json files agree before anything is written.
+SPECULATION_BY_ALIAS = {alias: draft_speculation(CHECKPOINTS[0], "Llama-3.2-1B-Instruct")
+                        for alias in ("llama-3.1-8b-instruct", "llama-3.1-70b-instruct", "llama-3.1-8b-instruct-fp8")}
+
 RECIPE = Recipe(
     family="llama",
     title="Llama 3.x",
@@ -75,6 +81,7 @@ RECIPE = Recipe(
     prefill_chunk=2048,
     decode_capacities=DECODE_CAPACITIES,
     speculation=HISTORY_SPECULATION,
+    speculation_by_alias=SPECULATION_BY_ALIAS,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
 )

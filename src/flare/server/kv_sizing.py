@@ -38,6 +38,9 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
     budget = memory_budget(device, engine_headroom("serving"), limit, reserve)
     token_bytes = kv_bytes_per_token(model.hf_config, _DTYPE_BYTES.get(model.dtype, 4),
                                      kv_cache_dtype=model.kv_cache_dtype)
+    if speculation is not None and speculation.draft_model and speculation.draft_tokens:
+        # The draft model's K/V lives in the same pages: each cached token holds both.
+        token_bytes += kv_bytes_per_token(model.speculation.draft.config, _DTYPE_BYTES.get(model.dtype, 4))
     drafts = speculation.draft_tokens if speculation is not None and speculation.enabled else 0
     rows = speculation.max_verification_tokens if drafts else None
     verify = speculation_memory(model.hf_config, concurrency, drafts, rows, model.page_size, token_bytes)

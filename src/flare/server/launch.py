@@ -188,7 +188,9 @@ def serving_speculation_settings(listener: ListenerOptions, model: ServedModel):
     """The engine's SpeculationSettings: the package's record reduced by the serving flags (spec §3.2)."""
     from flare.speculation_plan import ServingFlags, serving_speculation
 
-    return serving_speculation(model.speculation, listener.speculation or ServingFlags())
+    plan = model.speculation
+    return serving_speculation(plan, listener.speculation or ServingFlags(),
+                               draft_model=plan is not None and plan.draft is not None)
 
 
 def speculation_line(settings) -> str:
@@ -341,6 +343,7 @@ class DebugOptions:
     sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
     decode_capacities: tuple[int, ...] = ()    # the recipe's captured batch sizes; empty: the standard ones
     speculation: Any = None                    # the SpeculationPlan the preparation flags made; None: off
+    draft_dir: Path | None = None              # the learned draft's checkpoint, when the plan has one
 
 
 def _debug_concurrency(options: DebugOptions) -> int:
@@ -353,6 +356,14 @@ def _debug_concurrency(options: DebugOptions) -> int:
         raise UsageError(f"{concurrency.origin} is outside the recipe's range 1 through "
                          f"{options.recipe_max_concurrency}")
     return concurrency.value
+
+
+def _draft_weights(options: DebugOptions):
+    """debug-serve reads a learned draft from the directory its plan record came from."""
+    from flare.models import iter_safetensors
+
+    draft_dir = options.draft_dir
+    return (lambda: iter_safetensors(draft_dir)) if draft_dir is not None else None
 
 
 def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
@@ -376,7 +387,7 @@ def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
         max_model_len=int(hf_config["max_position_embeddings"]),
         weight_bytes=sum(path.stat().st_size for path in safetensors_files(directory)),
         iter_weights=lambda: iter_safetensors(directory), sampling=options.sampling,
-        speculation=options.speculation)
+        speculation=options.speculation, iter_draft_weights=_draft_weights(options))
     lines = lambda: ["  debug-serve: diagnostic serving of a checkpoint; export a package for real serving"]
     try:
         return serve(model, listener_options, options.config, stages, stream, listener, lines)

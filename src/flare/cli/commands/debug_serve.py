@@ -5,6 +5,7 @@ For diagnosing model and preparation faults; export a package and `flare run` it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -48,7 +49,7 @@ def run(args) -> int:
         configuration = load_config(getattr(args, "config", None))
     serving = serving_flags(args)
     preparing = replace(preparation_flags(args), fixed_verification=serving.adaptive is False)
-    directory, facts = _resolve(args.model, configuration)
+    directory, facts, resolved = _resolve(args.model, configuration)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
                                gpus=gpus, speculation=serving)
@@ -58,22 +59,29 @@ def run(args) -> int:
                            recipe_max_concurrency=facts.max_concurrency, decode_capacities=facts.decode_capacities,
                            page_size=facts.page_size, prefill_chunk=facts.prefill_chunk,
                            sampling=SamplingPolicy(facts.sampling_defaults, facts.sampling_ranges),
-                           speculation=_speculation(facts, preparing, configuration, args.max_concurrency))
+                           **_speculation(facts, preparing, configuration, args.max_concurrency, directory, resolved))
     return debug_serve(options)
 
 
-def _speculation(facts, flags, configuration, max_concurrency):
-    """The speculation a package of this checkpoint would record, from the recipe and the preparation flags."""
+def _speculation(facts, flags, configuration, max_concurrency, directory, resolved) -> dict:
+    """The speculation a package of this checkpoint would record (from the recipe and the preparation
+    flags) and its learned draft's directory, as DebugOptions fields."""
     from flare.config import MAX_CONCURRENCY, resolve
+    from flare.prepare import CheckpointSource, draft_record
     from flare.recipes.base import decode_capacities_for
-    from flare.speculation_plan import plan_speculation
+    from flare.speculation_plan import fetch_draft, plan_speculation
 
     names = (facts.model_id, *facts.served_names, facts.alias)
     concurrency = resolve(MAX_CONCURRENCY, max_concurrency, configuration, facts.default_concurrency,
                           names=names).value
     capacities = decode_capacities_for(facts.decode_capacities, min(concurrency, facts.max_concurrency))
-    return plan_speculation(facts.speculation, flags, configuration, names, capacities,
-                            facts.alias or facts.model_id)
+    found = None if flags.no_mtp else fetch_draft(facts.speculation, directory, resolved.options)
+    draft_dir = found[0] if found else None
+    hf_config = json.loads((Path(directory) / "config.json").read_text())
+    draft = draft_record(CheckpointSource(directory, *((None, None, None, *found) if found else ())), hf_config)
+    plan = plan_speculation(facts.speculation, flags, configuration, names, capacities,
+                            facts.alias or facts.model_id, draft)
+    return {"speculation": plan, "draft_dir": draft_dir if plan is not None else None}
 
 
 def _resolve(model: str | None, configuration):
@@ -82,4 +90,4 @@ def _resolve(model: str | None, configuration):
     from flare.resolve import fetch, resolve_model
 
     resolved = resolve_model(model, configuration)
-    return Path(fetch(resolved)), RecipeFacts.from_resolved(resolved)
+    return Path(fetch(resolved)), RecipeFacts.from_resolved(resolved), resolved

@@ -66,17 +66,22 @@ def run(args) -> int:
         online_fp8=args.online_mxfp8, kv_cache_dtype=args.kv_cache_dtype,
         speculation=preparation_flags(args))
     check_flags(options)                                   # before MODEL is resolved or downloaded
-    source, recipe = _resolve(args)
+    source, recipe = _resolve(args, options.speculation.no_mtp)
     entry = export_model(source, recipe, options, PhaseProgress(verbose=args.verbose))
     print(entry)
     return 0
 
 
-def _resolve(args):
-    """MODEL (or defaults.model) to a complete local checkpoint and the facts of its recipe."""
+def _resolve(args, no_mtp: bool):
+    """MODEL (or defaults.model) to a complete local checkpoint and the facts of its recipe; with its learned
+    draft, unless --no-mtp (spec §8: the draft is fetched into the same hub cache, or supplied in draft/)."""
     from flare.prepare import CheckpointSource, RecipeFacts
     from flare.resolve import fetch, resolve_model
+    from flare.speculation_plan import fetch_draft
     resolved = resolve_model(args.model, args.configuration)
     directory = Path(fetch(resolved))
-    source = CheckpointSource(directory, resolved.repo_id, resolved.revision, resolved.describe())
-    return source, RecipeFacts.from_resolved(resolved)
+    facts = RecipeFacts.from_resolved(resolved)
+    draft = None if no_mtp else fetch_draft(facts.speculation, directory, resolved.options)
+    source = CheckpointSource(directory, resolved.repo_id, resolved.revision, resolved.describe(),
+                              *(draft or (None, None, None)))
+    return source, facts

@@ -41,23 +41,46 @@ class VerifyingRows:
 
     @staticmethod
     def of(plan_rows: tuple[ScheduledRow, ...], query_start: list[int], device: torch.device) -> VerifyingRows:
-        rows = [i for i, row in enumerate(plan_rows) if row.samples and row.draft_token_ids]
-        width = 1 + max(len(plan_rows[i].draft_token_ids) for i in rows)
+        rows = [i for i, row in enumerate(plan_rows) if row.samples and row.num_drafts]
+        width = 1 + max(plan_rows[i].num_drafts for i in rows)
         hidden = np.zeros((len(rows), width), dtype=np.int64)
         drafts = np.zeros((len(rows), width - 1), dtype=np.int64)
         other = np.zeros((3, len(rows)), dtype=np.int64)
         for r, i in enumerate(rows):
             row = plan_rows[i]
-            k = len(row.draft_token_ids)
+            k = row.num_drafts
             last_fed = query_start[i] + row.num_fed_tokens - 1
             hidden[r] = last_fed + np.minimum(np.arange(width), k)
-            drafts[r, :k] = row.draft_token_ids
+            drafts[r, :len(row.draft_token_ids)] = row.draft_token_ids      # proposed ones: `with_proposal`
             other[:, r] = (k, row.slot, row.num_computed_tokens + row.num_fed_tokens)
         parts = [hidden.ravel(), drafts.ravel(), other.ravel()]
         flat = to_device(np.concatenate(parts), device)
         hidden_d, drafts_d, other_d = torch.split(flat, [len(part) for part in parts])
         num_drafts, slots, first = other_d.view(3, len(rows))
         return VerifyingRows(rows, width, hidden_d, drafts_d.view(len(rows), width - 1), num_drafts, slots, first)
+
+
+def with_proposal(batch: VerifyingRows, plan_rows: tuple[ScheduledRow, ...], proposal,
+                  vocab_size: int) -> tuple[VerifyingRows, torch.Tensor]:
+    """The batch with the draft model's tokens after each row's core drafts, and every draft's q: the
+    draft model's distribution where it proposed, a point mass at the core's drafts."""
+    from dataclasses import replace
+
+    device = batch.drafts.device
+    depth = batch.width - 1
+    targets, sources = [], []
+    position = {plan_index: r for r, plan_index in enumerate(batch.rows)}
+    for p, (plan_index, count) in enumerate(zip(proposal.rows, proposal.counts)):
+        first = len(plan_rows[plan_index].draft_token_ids)
+        targets += [position[plan_index] * depth + first + j for j in range(count)]
+        sources += [p * proposal.tokens.shape[1] + j for j in range(count)]
+    index = to_device(np.array([targets, sources], dtype=np.int64).reshape(2, -1), device)
+    drafts = batch.drafts.reshape(-1).clone()
+    drafts.index_copy_(0, index[0], proposal.tokens.reshape(-1).index_select(0, index[1]))
+    drafts = drafts.view(batch.drafts.shape)
+    probs = torch.nn.functional.one_hot(drafts, vocab_size).float().reshape(-1, vocab_size)
+    probs.index_copy_(0, index[0], proposal.probs.reshape(-1, vocab_size).index_select(0, index[1]))
+    return replace(batch, drafts=drafts), probs.view(len(batch.rows), depth, vocab_size)
 
 
 @dataclass
