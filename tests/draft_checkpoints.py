@@ -1,7 +1,7 @@
 """Draft checkpoints for the speculation tests, made from a trained target (never random weights).
 
 `with_draft(target, draft, into)`: a copy of the target checkpoint directory that supplies `draft` in
-`draft/` (flare.speculation_plan.supplied_draft); tests use tests/fixtures/stories260k-draft, distilled
+`draft/` (flare.engine.speculation.settings.supplied_draft); tests use tests/fixtures/stories260k-draft, distilled
 from stories260k (it agrees with the target's next token two times in three).
 
 `with_truncated_draft(target, layers, into)`: the same with a crude draft: the target's first `layers`

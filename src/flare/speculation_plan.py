@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flare.config import SPECULATIVE_GRAPH_BUDGET, SPECULATIVE_TOKEN_CAPACITY, resolve
+from flare.engine.speculation.settings import supplied_draft
 from flare.errors import UsageError
 from flare.package.manifest import SpeculationPlan, SpeculationProgram
 
@@ -192,17 +193,6 @@ def speculation_memory(hf_config: dict, concurrency: int, draft_tokens: int, max
         rows = min(rows, max_rows)
     return SpeculationMemory(scratch=rows * vocab * 2 * 4 + concurrency * vocab * 2 * 8,
                              per_request=page_size * kv_bytes_per_token)
-
-
-DRAFT_FOLDER = "draft"          # a checkpoint supplies its draft model here (as Kimi's supplies dspark/, spec §8)
-
-
-def supplied_draft(checkpoint_dir: Path) -> Path | None:
-    """The draft model a checkpoint directory supplies in `draft/` (config.json and safetensors), or None."""
-    folder = Path(checkpoint_dir) / DRAFT_FOLDER
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
-        return folder
-    return None
 
 
 def fetch_draft(declared, checkpoint_dir: Path, hub_options) -> tuple[Path, str | None, str | None] | None:

@@ -94,10 +94,10 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
 
 
 def load_draft_model(directory: Path, target_config, dtype, device) -> tuple:
-    """The draft model a checkpoint supplies in its `draft/` folder (flare.speculation_plan.supplied_draft),
+    """The draft model a checkpoint supplies in its `draft/` folder (flare.engine.speculation.settings.supplied_draft),
     as (model, ModelConfig); refused unless it shares the target's vocabulary."""
     from flare.models import load_checkpoint
-    from flare.speculation_plan import supplied_draft
+    from flare.engine.speculation.settings import supplied_draft
 
     found = supplied_draft(directory)
     if found is None:

@@ -124,7 +124,7 @@ def build_target(args, concurrency: int, max_context: int, width: int = 1):
             **configuration, "graphs": True, "proposal": None}
     from flare.bench_speculation import SpeculativeRoundTarget
     from flare.engine.factory import load_draft_model
-    from flare.speculation_plan import supplied_draft
+    from flare.engine.speculation.settings import supplied_draft
 
     draft = load_draft_model(directory, cfg, torch.bfloat16, "cuda") if supplied_draft(directory) else None
     target = SpeculativeRoundTarget(model, cfg, width=width, max_batch=concurrency, max_context=max_context,

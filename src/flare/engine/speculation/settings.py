@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from flare.engine.sampling_params import SamplingParams
 from flare.errors import UsageError
@@ -49,3 +50,14 @@ class SpeculationSettings:
     def enabled(self) -> bool:
         """Whether any step can carry drafts."""
         return self.draft_tokens > 0 and (self.history or self.draft_model)
+
+
+DRAFT_FOLDER = "draft"          # a checkpoint supplies its draft model here (as Kimi's supplies dspark/, spec §8)
+
+
+def supplied_draft(checkpoint_dir: Path) -> Path | None:
+    """The draft model a checkpoint directory supplies in `draft/` (config.json and safetensors), or None."""
+    folder = Path(checkpoint_dir) / DRAFT_FOLDER
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    return None
