@@ -167,7 +167,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
                    f"{_speculation_line(plan.speculation)}")
     _load_weights(progress, source.directory, plan, device)
     if _has_draft(plan):
-        _load_draft_weights(progress, source.draft_dir, plan, device)
+        _load_draft_weights(progress, source.draft_dir, plan, device, hf_config)
     workers = resolve(COMPILE_WORKERS, options.compile_workers, settings.config).value    # None: automatic
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
@@ -237,21 +237,30 @@ def draft_record(source: CheckpointSource, hf_config: dict):
     if source.draft_dir is None:
         return None
     config = json.loads((Path(source.draft_dir) / "config.json").read_text())
+    from flare.models.eagle3 import ARCHITECTURE as EAGLE3
+
+    kind = "eagle3" if EAGLE3 in (config.get("architectures") or []) else "model"
     if config.get("vocab_size") != hf_config.get("vocab_size"):
         raise UsageError(f"the draft model in {source.draft_dir} has a {config.get('vocab_size')}-token vocabulary "
                          f"and the target a {hf_config.get('vocab_size')}-token one: a draft model must share the "
                          "target's tokenizer")
-    return DraftModel("model", source.draft_repo_id, source.draft_revision, config)
+    return DraftModel(kind, source.draft_repo_id, source.draft_revision, config)
 
 
-def _load_draft_weights(progress: PhaseProgress, draft_dir: Path, plan: Plan, device: str) -> None:
+def _load_draft_weights(progress: PhaseProgress, draft_dir: Path, plan: Plan, device: str, hf_config: dict) -> None:
     """The Load draft weights phase: the learned draft's tensors, loaded through its model on a CPU."""
     from flare.package import weights as wt
 
     with progress.phase("Load draft weights") as phase:
         files = wt.checkpoint_tensor_files(draft_dir)
         if device == "cpu":
-            _load_through_model(draft_dir, msgspec.structs.replace(plan, online_fp8=(), kv_cache_dtype="auto"))
+            import torch
+
+            from flare.engine.factory import build_draft
+            from flare.models import ModelConfig, iter_safetensors
+
+            build_draft(plan.speculation.draft.config, lambda: iter_safetensors(draft_dir),
+                        ModelConfig.from_hf_config(hf_config), getattr(torch, plan.dtype), "cpu")
         phase.done(f"{len(files)} tensors of the draft model, {format_bytes(wt.serving_bytes(files, plan.dtype))} "
                    f"as {plan.dtype}" + ("; loaded into the model" if device == "cpu" else ""))
 

@@ -88,26 +88,45 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
         engine_config = default_engine_config(model_config.max_position_embeddings)
     draft = None
     if engine_config.speculation.draft_model and engine_config.speculation.draft_tokens:
-        draft = load_draft_model(directory, model_config, getattr(torch, dtype), device)
+        draft = load_draft_model(directory, model_config, getattr(torch, dtype), device, target=model)
     return LoadedModel(model_config, model, eos, engine_config, device, dtype, tokenizer_dir=str(directory),
                        draft=draft)
 
 
-def load_draft_model(directory: Path, target_config, dtype, device) -> tuple:
-    """The draft model a checkpoint supplies in its `draft/` folder (flare.engine.speculation.settings.supplied_draft),
-    as (model, ModelConfig); refused unless it shares the target's vocabulary."""
-    from flare.models import load_checkpoint
+def load_draft_model(directory: Path, target_config, dtype, device, target=None) -> tuple:
+    """The learned draft a checkpoint supplies in its `draft/` folder
+    (flare.engine.speculation.settings.supplied_draft): a draft model as (model, ModelConfig), or an
+    EAGLE-3 head as (Eagle3Draft, Eagle3Config) over `target`; refused unless it shares the target's
+    vocabulary."""
     from flare.engine.speculation.settings import supplied_draft
+    from flare.models import iter_safetensors
 
     found = supplied_draft(directory)
     if found is None:
         raise UsageError(f"speculation with a draft model needs one: {directory} has no draft/ folder with a "
                          "config.json and safetensors weights")
-    from flare.models.loader import read_model_config
+    hf_config = json.loads((found / "config.json").read_text())
+    return build_draft(hf_config, lambda: iter_safetensors(found), target_config, dtype, device, target)
 
-    head_dim = read_model_config(found).head_dim
-    config, model = load_checkpoint(found, dtype, device, attention_backend(device, head_dim))
+
+def build_draft(hf_config: dict, weights, target_config, dtype, device, target=None, on_bytes=None) -> tuple:
+    """A learned draft from its config.json and `weights()` (an iterable of checkpoint tensors, asked
+    for once or twice): see `load_draft_model`."""
+    from flare.models import ModelConfig, load_model
+    from flare.models.eagle3 import ARCHITECTURE as EAGLE3, Eagle3Config, build_eagle3
+
+    if EAGLE3 in (hf_config.get("architectures") or []):
+        config = Eagle3Config.from_hf_config(hf_config)
+        check_draft_vocabulary(config.layer, target_config)
+        head = build_eagle3(config, [name for name, _ in weights()], dtype, device,
+                            attention_backend(device, config.layer.head_dim))
+        head.load_hf_weights(weights())
+        if head.embed_tokens is None and target is not None:      # (None: a preparation's check alone)
+            head.share_embedding(target.model.embed_tokens)
+        return head, config
+    config = ModelConfig.from_hf_config(hf_config)
     check_draft_vocabulary(config, target_config)
+    model = load_model(config, weights(), dtype, device, attention_backend(device, config.head_dim), on_bytes)
     return model, config
 
 

@@ -41,7 +41,8 @@ class ModelRunner:
     def __init__(self, model, model_config, config: EngineConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int | None = None, graphs: bool | None = None,
                  capture: bool | None = None, draft=None) -> None:
-        """`draft`: (model, ModelConfig) of a draft model sharing the target's tokenizer, or None."""
+        """`draft`: (model, its config) of a learned draft sharing the target's tokenizer, or None: a draft
+        model (flare.models CausalLM, ModelConfig) or an EAGLE-3 head (Eagle3Draft, Eagle3Config)."""
         from flare.engine.attention import allocate_kv_caches
 
         self.model = model
@@ -62,13 +63,23 @@ class ModelRunner:
                                 self.sampler)
         self.proposer = None
         if draft is not None and config.speculation.draft_tokens:
-            from flare.engine.speculation.draft_model import DraftModelProposer
-
-            self.proposer = DraftModelProposer(*draft, config.num_pages, config.page_size, config.max_concurrency,
-                                               dtype, self.device)
+            self.proposer = self._proposer(draft, dtype)
         self.graphs = None
         if graphs and self.proposer is None:        # the draft model runs beside every step: eagerly
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
+
+    def _proposer(self, draft, dtype: torch.dtype):
+        from flare.models.eagle3 import Eagle3Draft
+
+        config = self.config
+        if isinstance(draft[0], Eagle3Draft):
+            from flare.engine.speculation.eagle3 import Eagle3Proposer
+
+            return Eagle3Proposer(draft[0], self.model, self.slots, config.num_pages, config.page_size,
+                                  config.max_concurrency, dtype, self.device)
+        from flare.engine.speculation.draft_model import DraftModelProposer
+
+        return DraftModelProposer(*draft, config.num_pages, config.page_size, config.max_concurrency, dtype, self.device)
 
     def _build_graphs(self, capture: bool):
         from flare.engine.cuda_graphs import DecodeGraphs
@@ -111,10 +122,11 @@ class ModelRunner:
                 token_ids = self.sampler.sample(logits, inputs.sample_slots, inputs.sample_positions,
                                                 self._token_bitmask([plan.rows[i] for i in pending.sampling]))
                 self.slots.last_sampled.index_copy_(0, inputs.sample_slots, token_ids)
+            batch = verdict = None
             if any(row.samples and row.num_drafts for row in plan.rows):
-                pending.verified = self._verify(plan, states, hidden, inputs, proposal)
-            elif self.proposer is not None and pending.sampling:
-                self.proposer.remember(inputs.sample_slots, inputs.input_ids.index_select(0, inputs.sample_rows))
+                pending.verified, batch, verdict = self._verify(plan, states, hidden, inputs, proposal)
+            if self.proposer is not None:
+                self.proposer.after_step(step_outcome(plan, inputs, pending.sampling, token_ids, batch, verdict))
         pending.prompt = self._prompt_logprobs(plan.rows, states, hidden, query_start)
         if pending.sampling:
             pending.token_ids = token_ids.to("cpu", non_blocking=True)
@@ -124,11 +136,10 @@ class ModelRunner:
             pending.copied.record()             # behind the step's copies to the host
         return pending
 
-    def _verify(self, plan: StepPlan, states: list[SlotRequest], hidden: torch.Tensor, inputs,
-                proposal) -> VerifiedRows:
+    def _verify(self, plan: StepPlan, states: list[SlotRequest], hidden: torch.Tensor, inputs, proposal):
         """The rows carrying drafts: accepted drafts and one token after them; each row's last token
-        becomes its slot's next input (flare.engine.speculation.verification). With a draft model, each
-        sampling row's token before its last becomes the draft's `previous`."""
+        becomes its slot's next input (flare.engine.speculation.verification). Returns (their answer on the
+        way to the host, the rows, the verdict on the device)."""
         batch = VerifyingRows.of(plan.rows, inputs.query_start, self.device)
         probs = None
         if proposal is not None:
@@ -136,12 +147,7 @@ class ModelRunner:
         verdict, verified = verify(self.model, self.sampler, hidden, batch, [states[i].params for i in batch.rows],
                                    probs)
         self.slots.last_sampled.index_copy_(0, batch.slots, verdict.last_tokens)
-        if self.proposer is not None:
-            kept = batch.hidden_rows.view(len(batch.rows), batch.width).gather(1, (verdict.counts - 1)[:, None])[:, 0]
-            slots = torch.cat([inputs.sample_slots, batch.slots])
-            rows = torch.cat([inputs.sample_rows, kept])
-            self.proposer.remember(slots, inputs.input_ids.index_select(0, rows))
-        return verified
+        return verified, batch, verdict
 
     def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
         """Decode rows only: one token each, sampled (grammar masks go into the graph's mask buffer)."""
@@ -189,6 +195,19 @@ class ModelRunner:
             targets = to_device(np.array(state.prompt_token_ids[first + 1:last + 1], dtype=np.int64), self.device)
             found[i] = (first + 1, select_logprobs(logprobs, targets, state.params.prompt_logprobs).to_host())
         return found
+
+
+def step_outcome(plan: StepPlan, inputs, sampling: list[int], token_ids, batch, verdict):
+    """What the step fed and chose, for the learned draft (`DraftModelProposer.after_step`, `Eagle3Proposer`)."""
+    from flare.engine.speculation.draft_model import StepOutcome
+
+    chosen = {i: (token_ids[k], None) for k, i in enumerate(sampling)}
+    kept_slots, kept_rows = inputs.sample_slots, inputs.sample_rows
+    if batch is not None:
+        kept = batch.hidden_rows.view(len(batch.rows), batch.width).gather(1, (verdict.counts - 1)[:, None])[:, 0]
+        kept_slots, kept_rows = torch.cat([kept_slots, batch.slots]), torch.cat([kept_rows, kept])
+        chosen.update({i: (verdict.tokens[r], verdict.counts[r]) for r, i in enumerate(batch.rows)})
+    return StepOutcome(plan, inputs.input_ids, inputs.query_start, kept_slots, kept_rows, chosen)
 
 
 def place_proposal(inputs, plan: StepPlan, proposal) -> None:

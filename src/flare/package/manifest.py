@@ -145,7 +145,7 @@ DRAFT_WEIGHTS = "weights/draft/"           # the payloads of a learned draft's w
 class DraftModel(_Record):
     """A learned draft whose weights are this package's `weights/draft/` payloads."""
 
-    kind: Literal["model"]                  # a small model sharing the target's tokenizer
+    kind: Literal["model", "eagle3"]        # a small model sharing the target's tokenizer, or an EAGLE-3 head
     repo_id: str | None                     # where it came from (None: supplied in the checkpoint's draft/)
     revision: str | None
     config: dict[str, Any]                  # its config.json, opaque here

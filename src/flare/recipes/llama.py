@@ -64,6 +64,11 @@ SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=0, min_p=0.0, rang
 
 # Llama-3.2-1B-Instruct drafts for Llama 3.1 8B and 70B: the same 128,256-token vocabulary (above); export
 # checks that the two config.json files agree before anything is written.
+# An EAGLE-3 head exists for Llama-3.1-8B-Instruct: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (commit
+# 61aa096484ad9752292507b0cc9973bb423abb35 is quoted as a snapshot of it in public code; others are too).
+# Public download scripts fetch its config.json and pytorch_model.bin: a pickle, which Flare does not
+# read, so it is not declared here. Converted to safetensors and put in a checkpoint's draft/ folder,
+# it drafts (flare.models.eagle3, flare.engine.speculation.eagle3).
 SPECULATION_BY_ALIAS = {alias: draft_speculation(CHECKPOINTS[0], "Llama-3.2-1B-Instruct")
                         for alias in ("llama-3.1-8b-instruct", "llama-3.1-70b-instruct", "llama-3.1-8b-instruct-fp8")}
 

@@ -44,22 +44,20 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     return cfg, network
 
 
-def _load_draft_weights(model: ServedModel, target_config, engine_config: Any, device: str, stages: StageReporter):
+def _load_draft_weights(model: ServedModel, target_config, target, engine_config: Any, device: str,
+                        stages: StageReporter):
     """debug-serve's learned draft (the checkpoint's draft/ folder) as (model, ModelConfig), or None."""
     import torch
 
-    from flare.engine.factory import attention_backend, check_draft_vocabulary
-    from flare.models import ModelConfig, load_model
+    from flare.engine.factory import build_draft
 
     if not engine_config.speculation.draft_model or model.iter_draft_weights is None:
         return None
     with stages.stage("Load draft weights") as stage:
-        cfg = ModelConfig.from_hf_config(model.speculation.draft.config)
-        check_draft_vocabulary(cfg, target_config)
-        network = load_model(cfg, model.iter_draft_weights(), getattr(torch, model.dtype), device,
-                             attention_backend(device, cfg.head_dim), stage.advance)
-        stage.note(f"{cfg.num_hidden_layers} layers, {model.dtype} on {device}")
-    return network, cfg
+        draft = build_draft(model.speculation.draft.config, model.iter_draft_weights, target_config,
+                            getattr(torch, model.dtype), device, target, stage.advance)
+        stage.note(f"{model.speculation.draft.kind} draft, {model.dtype} on {device}")
+    return draft
 
 
 def start_in_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
@@ -71,7 +69,7 @@ def start_in_process(model: ServedModel, engine_config: Any, device: str, stages
     from flare.frontend.tokenizer import eos_token_ids_of, load_tokenizer
 
     cfg, network = load_model_weights(model, device, stages)
-    draft = _load_draft_weights(model, cfg, engine_config, device, stages)
+    draft = _load_draft_weights(model, cfg, network, engine_config, device, stages)
     with stages.stage(STAGE_PREPARE) as stage:
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
     with stages.stage(STAGE_ALLOCATE) as stage:

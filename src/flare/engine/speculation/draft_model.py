@@ -70,16 +70,16 @@ class DraftModelProposer:
         tokens, probs = [], []
         for step in range(max(counts)):
             active = [r for r, count in enumerate(counts) if count > step]
-            token, q = self._draw(logits, slot_ids, [first[r] + step for r in range(len(rows))], sampler)
+            token, q = draw(logits, slot_ids, [first[r] + step for r in range(len(rows))], sampler)
             tokens.append(token)
             probs.append(q)
             if step + 1 < max(counts):
                 logits = self._next_logits(plan, rows, active, token, [first[r] + step for r in active], slots)
         return Proposal(rows, counts, torch.stack(tokens, dim=1), torch.stack(probs, dim=1))
 
-    def remember(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> None:
+    def after_step(self, step: StepOutcome) -> None:
         """Each sampling row's token before its newest (the input at the row's last kept position)."""
-        self.previous.index_copy_(0, slot_ids, tokens)
+        self.previous.index_copy_(0, step.kept_slots, step.input_ids.index_select(0, step.kept_rows))
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -123,13 +123,28 @@ class DraftModelProposer:
         full = logits.new_zeros(len(rows), logits.shape[1])
         return full.index_copy_(0, index, logits)
 
-    def _draw(self, logits: torch.Tensor, slot_ids: torch.Tensor, positions: list[int], sampler):
-        """A draft token per row from q (the row's controls on the draft logits), and q."""
-        q = sampler.target_probs(logits, slot_ids)
-        seeds = RowParams.gather(sampler.tables, slot_ids)
-        at = to_device(np.array(positions, dtype=np.int64), logits.device)[:, None]
-        u = uniforms(seeds.seed_lo, seeds.seed_hi, at, torch.arange(q.shape[1], device=q.device), PURPOSE_DRAFT)
-        return (q.double() / -torch.log(u)).argmax(dim=1), q
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a step fed and chose, for a proposer to keep its state in step (`after_step`)."""
+
+    plan: StepPlan
+    input_ids: torch.Tensor         # [T] the step's flat input ids (drafts included)
+    query_start: list[int]
+    kept_slots: torch.Tensor        # [S] the slot of each sampling row
+    kept_rows: torch.Tensor         # [S] the flat index of each sampling row's last kept position
+    chosen: dict                    # plan row -> (tokens [1 + k] or a scalar, kept count or None), device
+
+
+def draw(logits: torch.Tensor, slot_ids: torch.Tensor, positions: list[int], sampler):
+    """A draft token per row from q (the row's sampling controls on the draft's logits) drawn with the
+    uniforms u(seed, position, token, PURPOSE_DRAFT); returns (tokens, q)."""
+    q = sampler.target_probs(logits, slot_ids)
+    seeds = RowParams.gather(sampler.tables, slot_ids)
+    at = to_device(np.array(positions, dtype=np.int64), logits.device)[:, None]
+    u = uniforms(seeds.seed_lo, seeds.seed_hi, at, torch.arange(q.shape[1], device=q.device), PURPOSE_DRAFT)
+    return (q.double() / -torch.log(u)).argmax(dim=1), q
 
 
 def _first_proposed(row: ScheduledRow) -> int:
