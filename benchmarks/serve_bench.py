@@ -27,7 +27,9 @@ any server. The JSON records which.
         --temperature 0.6 --top-p 0.9 --output results/poisson.json
 
 Prompts are random token ids sent as a token array (the Completions API accepts one), so their length
-is exact; with --tokenizer DIR they are sent as text decoded from those ids instead.
+is exact; with --tokenizer DIR they are sent as text decoded from those ids instead. --prompts-file FILE
+(a JSON list of strings) sends those texts instead, in turn (e.g. prompts whose answers repeat them, for
+history drafts); --input-len then does not apply.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def make_prompts(count: int, input_len: int, vocab_size: int, seed: int, tokeniz
 
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     return [tokenizer.decode(ids) for ids in prompts]
+
+
+def file_prompts(path: Path, count: int, offset: int) -> list[str]:
+    """`count` of the texts in the JSON list at `path`, in turn from `offset` (levels start elsewhere)."""
+    texts = json.loads(Path(path).read_text())
+    if not texts or not all(isinstance(text, str) and text for text in texts):
+        raise SystemExit(f"--prompts-file {path}: a JSON list of non-empty prompt texts")
+    return [texts[(offset + index) % len(texts)] for index in range(count)]
 
 
 async def one_request(client, url: str, payload: dict) -> RequestResult:
@@ -324,6 +334,8 @@ def parse_args(argv=None):
     sampling.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--vocab-size", type=int, default=32000, help="random prompt ids are drawn below this")
     parser.add_argument("--tokenizer", default=None, help="send text prompts decoded with DIR/tokenizer.json")
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help="a JSON list of prompt texts, sent in turn instead of random prompts")
     parser.add_argument("--shared-prefix-len", type=int, default=0,
                         help="leading prompt tokens common to every request (exercises the prefix cache)")
     parser.add_argument("--warmup-requests", type=int, default=2)
@@ -354,8 +366,9 @@ def main(argv=None) -> int:
     for index, level in enumerate(levels):
         # A new prompt seed per level, so that one level does not hit the prefix cache of another.
         key = level.concurrency if args.request_rate is None else 100_000 + index
-        prompts = make_prompts(level.count, args.input_len, args.vocab_size, args.seed + key,
-                               args.tokenizer, args.shared_prefix_len, prefix_seed=args.seed)
+        prompts = (file_prompts(args.prompts_file, level.count, key) if args.prompts_file else
+                   make_prompts(level.count, args.input_len, args.vocab_size, args.seed + key,
+                                args.tokenizer, args.shared_prefix_len, prefix_seed=args.seed))
         results, duration = asyncio.run(run_level(args.base_url, args.model, prompts, args.output_len, level,
                                                   args.api_key, fields, seed=args.seed + index,
                                                   json_schema=args.json_schema))
@@ -367,7 +380,8 @@ def main(argv=None) -> int:
                 "arrivals": "all at once, concurrency-limited" if args.request_rate is None else
                             ("Poisson" if args.burstiness == 1 else f"gamma, burstiness {args.burstiness:g}"),
                 "sampling": fields or "server defaults", "goodput_slo_ms": objectives or None,
-                "prompt_form": "text" if args.tokenizer else "token ids",
+                "prompt_form": (f"texts of {args.prompts_file}" if args.prompts_file else
+                                "text" if args.tokenizer else "token ids"),
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "levels": summaries}
     print(table(summaries))
     if args.output:

@@ -289,3 +289,47 @@ def test_serving_benchmark_arrivals_and_objectives():
         assert not math.isnan(serve_bench.Level(1, 1).request_rate) and math.isinf(serve_bench.Level(1, 1).request_rate)
     finally:
         sys.modules.pop("serve_bench_units", None)
+
+
+def test_a_speculative_round_verifies_its_block_against_the_target(tmp_path):
+    """A round feeds the pending token and W - 1 drafts over the prefilled pages: drafts that are the
+    target's own greedy continuation are all accepted and the round ends on the token after them; random
+    drafts are rejected at the first mismatch. Restore makes every round start from the same state."""
+    import torch
+
+    from flare.bench_speculation import SpeculativeRoundTarget
+    from flare.engine.attention import AttentionMetadata, TorchReferenceBackend, allocate_kv_caches
+    from flare.models import load_checkpoint
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    cfg, model = load_checkpoint(write_tiny_checkpoint("llama", tmp_path), torch.float32, "cpu",
+                                 TorchReferenceBackend())
+    width, context = 4, 20
+    target = SpeculativeRoundTarget(model, cfg, width=width, max_batch=2, max_context=40, page_size=16,
+                                    device="cpu", dtype=torch.float32, graph=False)
+    target.prepare(batch=2, context=context, seed=5)
+    pending = target.pending.clone()
+    prefix = torch.randint(0, cfg.vocab_size, (2, context + width), generator=torch.Generator().manual_seed(5))
+    greedy = []                                           # the target's own continuation after the pending token
+    sequence = torch.cat([prefix[:, :context], pending[:, None]], dim=1)
+    for _ in range(width):
+        caches = allocate_kv_caches(cfg, 8, 16, torch.float32, "cpu")
+        length = sequence.shape[1]
+        meta = AttentionMetadata.build([length] * 2, [length] * 2, [[0, 1, 2], [3, 4, 5]], 16)
+        with torch.inference_mode():
+            hidden = model(sequence.flatten(), meta.positions(), caches, meta)
+            token = model.compute_logits(hidden[[length - 1, 2 * length - 1]]).argmax(dim=-1)
+        greedy.append(token)
+        sequence = torch.cat([sequence, token[:, None]], dim=1)
+    greedy = torch.stack(greedy, dim=1)
+    target.restore()
+    target.step()
+    rejected = target.accepted.clone()
+    assert torch.equal(target.sampled[rejected == 0], greedy[rejected == 0, 0])
+    with torch.inference_mode():                          # drafts that are the greedy continuation
+        target.block[:, 1:] = greedy[:, :width - 1]
+    for _ in range(2):
+        target.restore()
+        target.step()
+        assert target.accepted.tolist() == [width - 1, width - 1]
+        assert torch.equal(target.sampled, greedy[:, width - 1])

@@ -203,7 +203,8 @@ def test_ignition_help_lists_every_alias_with_tp_sizes_and_draft_counts_without_
     for recipe, checkpoint in registry.all_checkpoints():
         row = next(line for line in lines if line.split()[:1] == [checkpoint.alias])
         sizes = ",".join(map(str, recipe.tensor_parallel_sizes_for(checkpoint.config)))
-        drafts = f"{recipe.speculation.default_draft_tokens}/{recipe.speculation.max_draft_tokens}"
+        speculation = recipe.speculation_for(checkpoint)
+        drafts = f"{speculation.default_draft_tokens}/{speculation.max_draft_tokens}"
         assert row.split()[1:3] == [sizes, drafts]
     assert heavy_modules(result) == ""
 
@@ -236,7 +237,9 @@ def test_model_before_or_after_help_prints_the_recipe_defaults_and_limits(argv):
     assert ", ".join(map(str, recipe.tensor_parallel_sizes_for(checkpoint.config))) in out
     assert ",".join(map(str, recipe.decode_capacities_for(concurrency.maximum))) in out
     assert f"temperature {recipe.sampling.temperature:g}" in out and "request ranges" in out
-    assert "speculation" in out and "unavailable" in out
+    speculation = recipe.speculation_for(checkpoint)
+    assert (f"draft tokens default {speculation.default_draft_tokens}, maximum {speculation.max_draft_tokens}"
+            in out and "--history-drafts" in out)
     assert heavy_modules(result) == ""
 
 

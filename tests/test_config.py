@@ -135,6 +135,8 @@ official_source = "https://huggingface.co/example-publisher/MODEL"
     ("[memory]\nreserve = -1\n", "memory.reserve"),
     ("[defaults]\nmax_concurrency = 0\n", "defaults.max_concurrency"),
     ("[defaults]\nspeculative_graph_budget = true\n", "defaults.speculative_graph_budget"),
+    ("[defaults]\nspeculative_token_capacity = 0\n", "defaults.speculative_token_capacity"),
+    ('[models."qwen3-8b"]\nspeculative_token_capacity = "24"\n', "models.qwen3-8b.speculative_token_capacity"),
     ('[preparation]\nautotune_effort = "max"\n', "preparation.autotune_effort"),
     ('[preparation]\ncollective_tuning = "dynamic"\n', "preparation.collective_tuning"),
     ("[preparation]\ncompile_workers = 0\n", "preparation.compile_workers"),
@@ -165,9 +167,6 @@ def test_an_invalid_setting_is_a_usage_error_naming_its_key(tmp_path, text, name
     ('[paths]\nexport_staging = "/data/staging"\n', "paths.export_staging"),
     ('[preparation]\nautotune_effort = "default"\n', "preparation.autotune_effort"),
     ('[preparation]\ncollective_tuning = "static"\n', "preparation.collective_tuning"),
-    ("[defaults]\nspeculative_token_capacity = 128\n", "defaults.speculative_token_capacity"),
-    ("[defaults]\nspeculative_graph_budget = 64\n", "defaults.speculative_graph_budget"),
-    ('[models."qwen3-8b"]\nspeculative_token_capacity = 24\n', "models.qwen3-8b.speculative_token_capacity"),
     ("[defaults]\nimage_concurrency = 2\n", "defaults.image_concurrency"),
     ('[models."qwen3-8b"]\nimage_concurrency = 2\n', "models.qwen3-8b.image_concurrency"),
 ])

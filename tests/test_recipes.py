@@ -143,12 +143,14 @@ def test_recipe_limits_are_consistent(recipe):
     assert 1 in recipe.tensor_parallel_sizes
 
 
-@pytest.mark.parametrize("recipe", registry.all_recipes(), ids=lambda recipe: recipe.family)
-def test_no_family_offers_speculation_without_a_draft_model(recipe):
-    speculation = recipe.speculation
-    assert not speculation.available
-    assert speculation.default_draft_tokens == speculation.max_draft_tokens == 0
-    assert "no draft model" in speculation.note
+@pytest.mark.parametrize("recipe,checkpoint", registry.all_checkpoints(), ids=_ids(registry.all_checkpoints()))
+def test_every_checkpoint_declares_its_speculation(recipe, checkpoint):
+    """Every dense family can verify drafts copied from decoded history; the counts are within limits."""
+    speculation = recipe.speculation_for(checkpoint)
+    assert speculation.available and speculation.history
+    assert 1 <= speculation.default_draft_tokens <= speculation.max_draft_tokens <= 15
+    assert speculation.token_capacity >= 2 * (speculation.max_draft_tokens + 1)
+    assert speculation.note
 
 
 @pytest.mark.parametrize("recipe,checkpoint", registry.all_checkpoints(),
@@ -250,3 +252,14 @@ def test_recipes_import_without_torch_or_hub_libraries():
             f"print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY_MODULES!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("recipe,checkpoint", [pair for pair in registry.all_checkpoints()
+                                               if pair[0].speculation_for(pair[1]).draft is not None],
+                         ids=lambda value: getattr(value, "alias", getattr(value, "family", "")))
+def test_a_declared_draft_is_a_smaller_checkpoint_of_the_same_vocabulary(recipe, checkpoint):
+    draft = recipe.speculation_for(checkpoint).draft
+    assert draft.config["vocab_size"] == checkpoint.config["vocab_size"]
+    assert draft.decode_weight_bytes < checkpoint.decode_weight_bytes / 3       # drafting is cheap beside it
+    assert draft.revision and len(draft.revision) == 40
+    assert draft in recipe.checkpoints, "a draft is one of the family's declared checkpoints"

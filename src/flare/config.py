@@ -2,8 +2,8 @@
 
 Every key is optional. An absent default file supplies nothing; an explicitly named missing file, a
 file that is not TOML, an unknown key or an invalid value is a usage error naming the key. A key the
-specification defines for a feature Flare does not implement yet ([prefix_cache], speculation,
-images, kernel and collective tuning, export staging) is refused by name, except at the value that
+specification defines for a feature Flare does not implement yet ([prefix_cache], images, kernel and
+collective tuning, export staging) is refused by name, except at the value that
 leaves the feature off. Each section becomes a frozen dataclass; unset optional values are None so callers can tell "not
 configured" from a configured value equal to a default.
 
@@ -49,6 +49,8 @@ class ServerConfig:
 class DefaultsConfig:
     model: str | None = None
     max_concurrency: int | None = None
+    speculative_token_capacity: int | None = None    # preparation: most target rows of a verification step
+    speculative_graph_budget: int | None = None      # preparation: packed catalogs only (none here: ignored)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class ModelOverrides:
     """[models."name"]: per-model overrides of [defaults], matched against canonical ID and aliases."""
 
     max_concurrency: int | None = None
+    speculative_token_capacity: int | None = None
+    speculative_graph_budget: int | None = None      # refused at export: no recipe here has a packed catalog
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,6 @@ class _Unsupported:
 
 _HOST_RETENTION = _Unsupported("host retention of prefix-cache pages (memory or disk) is not implemented; "
                                "cached prefixes stay in the GPU's KV pages", off="")
-_NO_SPECULATION = _Unsupported("speculative decoding is not implemented (no recipe here has a draft model)")
 _NO_IMAGES = _Unsupported("no recipe here serves images")
 
 
@@ -341,7 +344,7 @@ def _memory_limit(value, key):
 
 
 _MODEL_KEYS = {"max_concurrency": _positive_int, "image_concurrency": _NO_IMAGES,
-               "speculative_token_capacity": _NO_SPECULATION, "speculative_graph_budget": _NO_SPECULATION}
+               "speculative_token_capacity": _positive_int, "speculative_graph_budget": _positive_int}
 
 # section -> (dataclass, {key: parser}); a section with no dataclass holds only keys not supported yet
 _SECTIONS: dict[str, tuple[type, dict[str, Callable]]] = {
@@ -376,6 +379,9 @@ _KNOWN_SECTIONS = (*_SECTIONS, "publishing", "models")
 
 MODEL = Setting("MODEL", "defaults.model", _string)
 MAX_CONCURRENCY = Setting("--max-concurrency", "defaults.max_concurrency", _positive_int)
+SPECULATIVE_TOKEN_CAPACITY = Setting("--speculative-token-capacity", "defaults.speculative_token_capacity",
+                                     _positive_int)
+SPECULATIVE_GRAPH_BUDGET = Setting("--speculative-graph-budget", "defaults.speculative_graph_budget", _positive_int)
 PREFILL_CHUNK = Setting("--prefill-chunk-size", None, _prefill_chunk)            # command line only
 COMPILE_WORKERS = Setting("--compile-workers", "preparation.compile_workers", _positive_int)
 HOST = Setting("--host", "server.host", _string)

@@ -24,7 +24,8 @@ from flare.package.export import ExportHooks, ExportSpec, export_entry
 from flare.package.manifest import GraphCatalog, License, Plan, Preparation, Sampling, StepCostTable
 from flare.package.signing import publishing_identity
 from flare.package.store import ModelCache, model_key_for
-from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
+from flare.recipes.base import DECODE_CAPACITIES, HISTORY_SPECULATION, Speculation, decode_capacities_for
+from flare.speculation_plan import PreparationFlags, plan_speculation, speculation_summary
 from flare.ui.progress import PhaseProgress, format_bytes
 
 
@@ -47,6 +48,7 @@ class RecipeFacts:
     sampling_ranges: dict = field(default_factory=dict)
     export_repository: str | None = None
     online_fp8_projections: tuple[str, ...] = ()    # what --online-mxfp8 converts; empty: it is refused
+    speculation: Speculation = HISTORY_SPECULATION        # the recipe's declaration for the checkpoint
 
     @classmethod
     def from_resolved(cls, resolved) -> "RecipeFacts":
@@ -69,7 +71,8 @@ class RecipeFacts:
                    sampling_defaults=sampling.defaults(),
                    sampling_ranges={name: list(bounds) for name, bounds in sampling.ranges.items()},
                    export_repository=checkpoint.export_repository if checkpoint is not None else None,
-                   online_fp8_projections=recipe.online_fp8_projections)
+                   online_fp8_projections=recipe.online_fp8_projections,
+                   speculation=recipe.speculation_for(checkpoint))
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class ExportOptions:
     compile_workers: int | None = None             # --compile-workers, else [preparation] compile_workers
     online_fp8: bool = False                       # --online-mxfp8: the recipe's projections stored as FP8
     kv_cache_dtype: str | None = None              # --kv-cache-dtype, else "auto" (the serving dtype)
+    speculation: PreparationFlags = PreparationFlags()     # --no-mtp, --mtp-draft-tokens, ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,11 @@ class CheckpointSource:
     repo_id: str | None = None
     revision: str | None = None
     description: str | None = None                 # the resolver's one-line account, for the log
+    # A learned draft's checkpoint (the target's draft/ folder, or the recipe's draft repository fetched);
+    # None: none, or --no-mtp.
+    draft_dir: Path | None = None
+    draft_repo_id: str | None = None
+    draft_revision: str | None = None
 
 
 def load_settings(config_path: Path | None) -> Settings:
@@ -148,13 +157,17 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     with progress.phase("Select GPUs") as phase:
         device = _device(options.gpus)
         dtype = options.dtype or recipe.dtype or ("bfloat16" if device == "cuda" else "float32")
-        plan = _plan(recipe, options, settings, hf_config, dtype)
-        fit = _fit_memory(source.directory, hf_config, plan, recipe, options.gpus, device)
+        plan = _plan(recipe, options, settings, hf_config, dtype, draft_record(source, hf_config))
+        fit = _fit_memory(source.directory, hf_config, plan, recipe, options.gpus, device,
+                          source.draft_dir if _has_draft(plan) else None)
         selected = fit.selected
         plan = msgspec.structs.replace(plan, tensor_parallel=max(1, len(selected)))
         phase.done(f"{_device_label(selected)}; {dtype}; "
-                   f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}")
+                   f"concurrency {plan.max_concurrency}, prefill chunk {plan.prefill_chunk:,}; "
+                   f"{_speculation_line(plan.speculation)}")
     _load_weights(progress, source.directory, plan, device)
+    if _has_draft(plan):
+        _load_draft_weights(progress, source.draft_dir, plan, device, hf_config)
     workers = resolve(COMPILE_WORKERS, options.compile_workers, settings.config).value    # None: automatic
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
@@ -211,7 +224,47 @@ def _export_spec(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         sampling=Sampling(_sampling_defaults(recipe, source.directory),
                           {name: tuple(bounds) for name, bounds in recipe.sampling_ranges.items()}),
         license=_license(source), preparation=preparation, graphs=_graph_catalog(plan, prepared),
-        compiled=prepared.artifacts if prepared else None)
+        compiled=prepared.artifacts if prepared else None, draft_dir=source.draft_dir if _has_draft(plan) else None)
+
+
+def _has_draft(plan: Plan) -> bool:
+    return plan.speculation is not None and plan.speculation.draft is not None
+
+
+def draft_record(source: CheckpointSource, hf_config: dict):
+    """The plan's record of the learned draft the source brings (None without one); its vocabulary must be
+    the target's, since it drafts in the target's tokens."""
+    from flare.package.manifest import DraftModel
+
+    if source.draft_dir is None:
+        return None
+    config = json.loads((Path(source.draft_dir) / "config.json").read_text())
+    from flare.models.eagle3 import ARCHITECTURE as EAGLE3
+
+    kind = "eagle3" if EAGLE3 in (config.get("architectures") or []) else "model"
+    if config.get("vocab_size") != hf_config.get("vocab_size"):
+        raise UsageError(f"the draft model in {source.draft_dir} has a {config.get('vocab_size')}-token vocabulary "
+                         f"and the target a {hf_config.get('vocab_size')}-token one: a draft model must share the "
+                         "target's tokenizer")
+    return DraftModel(kind, source.draft_repo_id, source.draft_revision, config)
+
+
+def _load_draft_weights(progress: PhaseProgress, draft_dir: Path, plan: Plan, device: str, hf_config: dict) -> None:
+    """The Load draft weights phase: the learned draft's tensors, loaded through its model on a CPU."""
+    from flare.package import weights as wt
+
+    with progress.phase("Load draft weights") as phase:
+        files = wt.checkpoint_tensor_files(draft_dir)
+        if device == "cpu":
+            import torch
+
+            from flare.engine.factory import build_draft
+            from flare.models import ModelConfig, iter_safetensors
+
+            build_draft(plan.speculation.draft.config, lambda: iter_safetensors(draft_dir),
+                        ModelConfig.from_hf_config(hf_config), getattr(torch, plan.dtype), "cpu")
+        phase.done(f"{len(files)} tensors of the draft model, {format_bytes(wt.serving_bytes(files, plan.dtype))} "
+                   f"as {plan.dtype}" + ("; loaded into the model" if device == "cpu" else ""))
 
 
 def _load_through_model(checkpoint_dir: Path, plan: Plan) -> None:
@@ -305,9 +358,10 @@ def _device(gpus: str | None) -> str:
 
 
 def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: RecipeFacts, gpus: str | None,
-                device: str) -> "MemoryFit":
+                device: str, draft_dir: Path | None = None) -> "MemoryFit":
     """The GPUs to prepare on (none on the CPU), refusing before any weight loads a model whose
-    estimate does not fit them: the section-6 capacity error."""
+    estimate does not fit them: the section-6 capacity error. A learned draft adds its weights and its
+    K/V per cached token (its pages are the target's)."""
     from dataclasses import replace
     from flare.engine.config import serving_scratch_bytes
     from flare.estimate import MemoryEstimate, check_estimate, choose_gpus
@@ -316,16 +370,24 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
     from flare.package import weights as wt
     from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
                                     snapshot_bytes)
+    from flare.speculation_plan import speculation_memory
+    token_bytes = kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype], kv_cache_dtype=plan.kv_cache_dtype)
+    draft_weights = 0
+    if draft_dir is not None:
+        token_bytes += kv_bytes_per_token(plan.speculation.draft.config, wt.DTYPE_BYTES[plan.dtype])
+        draft_weights = wt.serving_bytes(wt.checkpoint_tensor_files(draft_dir), plan.dtype)
+    speculation = plan.speculation
+    verify = speculation_memory(hf_config, plan.max_concurrency, speculation.draft_tokens if speculation else 0,
+                                speculation.token_capacity if speculation else None, plan.page_size, token_bytes)
     estimate = MemoryEstimate(
         weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype,
-                                       wt.online_fp8_of(plan)),
+                                       wt.online_fp8_of(plan)) + draft_weights,
         # What serving will set aside beside the pages, so that a package that prepares also serves here.
-        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk),
+        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk) + verify.scratch,
         live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan.page_size,
-                                                                  plan.max_model_len),
+                                                                  plan.max_model_len) + verify.per_request,
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
-        kv_bytes_per_token=kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype],
-                                              kv_cache_dtype=plan.kv_cache_dtype),
+        kv_bytes_per_token=token_bytes,
         max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size)
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
     headroom = max(engine_headroom("preparation", plan.prefill_chunk), engine_headroom("serving"))
@@ -365,6 +427,12 @@ class MemoryFit:
                                      tensor_parallel_sizes=self.tensor_parallel_sizes)
 
 
+def _speculation_line(speculation) -> str:
+    if speculation is None:
+        return speculation_summary(None)
+    return speculation_summary(speculation.draft_tokens, speculation.adaptive)
+
+
 def _device_label(selected: tuple[int, ...]) -> str:
     if not selected:
         return "CPU (no CUDA GPU visible)"
@@ -374,7 +442,8 @@ def _device_label(selected: tuple[int, ...]) -> str:
             + (f" of CUDA_VISIBLE_DEVICES={','.join(visible)}" if visible is not None else ""))
 
 
-def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str) -> Plan:
+def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_config: dict, dtype: str,
+          draft=None) -> Plan:
     """The plan for one GPU (the caller sets `tensor_parallel` once the GPUs are chosen)."""
     concurrency = resolve(MAX_CONCURRENCY, options.max_concurrency, settings.config, recipe.default_concurrency,
                           names=(recipe.model_id, *recipe.served_names, recipe.alias))
@@ -382,12 +451,15 @@ def _plan(recipe: RecipeFacts, options: ExportOptions, settings: Settings, hf_co
         raise UsageError(f"{concurrency.origin} is outside {recipe.name}'s range 1 through {recipe.max_concurrency}")
     chunk = resolve(PREFILL_CHUNK, options.prefill_chunk, settings.config, recipe.prefill_chunk).value
     online_fp8, kv_cache_dtype = _precision(recipe, options, hf_config)
+    capacities = tuple(decode_capacities_for(recipe.decode_capacities, concurrency.value))
+    speculation = plan_speculation(recipe.speculation, options.speculation, settings.config,
+                                   (recipe.model_id, *recipe.served_names, recipe.alias), capacities,
+                                   recipe.alias or recipe.model_id, draft)
     return Plan(dtype=dtype, page_size=recipe.page_size, prefill_chunk=chunk, compile=options.compile,
-                max_concurrency=concurrency.value,
-                decode_capacities=tuple(decode_capacities_for(recipe.decode_capacities, concurrency.value)),
+                max_concurrency=concurrency.value, decode_capacities=capacities,
                 max_model_len=hf_config.get("max_position_embeddings"),
                 memory_reserve_bytes=settings.memory_reserve_bytes, tensor_parallel=1,
-                online_fp8=online_fp8, kv_cache_dtype=kv_cache_dtype)
+                online_fp8=online_fp8, kv_cache_dtype=kv_cache_dtype, speculation=speculation)
 
 
 def _precision(recipe: RecipeFacts, options: ExportOptions, hf_config: dict) -> tuple[tuple[str, ...], str]:

@@ -9,6 +9,7 @@ from fake_runner import FakeRunner, fake_continuation, next_token
 from test_scheduler import add, prompt, run_to_end
 
 from flare.engine.config import EngineConfig
+from flare.engine.speculation.settings import SpeculationSettings
 from flare.engine.core import EngineCore
 
 
@@ -87,11 +88,11 @@ class OracleDrafter:
     def __init__(self, length: int, wrong_every: int) -> None:
         self.length, self.wrong_every, self.calls = length, wrong_every, 0
 
-    def propose(self, request) -> tuple[int, ...]:
+    def propose(self, request, max_tokens: int) -> tuple[int, ...]:
         self.calls += 1
         context = list(request.all_token_ids)
         drafts = []
-        for i in range(self.length):
+        for i in range(min(self.length, max_tokens)):
             token = next_token(context)
             if i == 1 and self.calls % self.wrong_every == 0:
                 token = (token + 1) % FakeRunner.vocab_size
@@ -103,7 +104,8 @@ class OracleDrafter:
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 def test_accepted_draft_tokens_commit_and_rejected_ones_roll_back(enable_prefix_caching):
     config = EngineConfig(max_concurrency=3, page_size=4, num_pages=64, max_model_len=64, prefill_chunk=8,
-                          max_num_batched_tokens=32, enable_prefix_caching=enable_prefix_caching)
+                          max_num_batched_tokens=32, enable_prefix_caching=enable_prefix_caching,
+                          speculation=SpeculationSettings(draft_tokens=3))
     core = EngineCore(config, FakeRunner(config.page_size), drafter=OracleDrafter(length=3, wrong_every=2))
     prompts = {f"r{i}": prompt(6 + 3 * i, i) for i in range(3)}
     for request_id, ids in prompts.items():
@@ -120,7 +122,7 @@ def test_accepted_draft_tokens_commit_and_rejected_ones_roll_back(enable_prefix_
 
 
 def test_drafts_stay_within_the_length_limits():
-    config = EngineConfig(page_size=4, num_pages=16, max_model_len=16)
+    config = EngineConfig(page_size=4, num_pages=16, max_model_len=16, speculation=SpeculationSettings(draft_tokens=4))
     core = EngineCore(config, FakeRunner(config.page_size), drafter=OracleDrafter(length=4, wrong_every=1000))
     add(core, "short", prompt(3), max_tokens=5)
     add(core, "long", prompt(9, 1), max_tokens=50)

@@ -28,7 +28,7 @@ def aliases_epilog() -> str:
     """Every declared alias with its tensor-parallel sizes and default/maximum draft counts."""
     rows = [("alias", "tensor parallel", "drafts (default/max)", "checkpoint")]
     for recipe, checkpoint in registry.all_checkpoints():
-        spec = recipe.speculation
+        spec = recipe.speculation_for(checkpoint)
         source = checkpoint.repo_id or "built locally"
         rows.append((checkpoint.alias, _sizes(_tp_sizes(recipe, checkpoint)),
                      f"{spec.default_draft_tokens}/{spec.max_draft_tokens}", source))
@@ -68,7 +68,7 @@ def _online_fp8(recipe: Recipe, checkpoint: Checkpoint) -> str:
 
 def describe(recipe: Recipe, checkpoint: Checkpoint, command: str = "export") -> str:
     """A recipe's defaults, limits and optional features for one of its checkpoints."""
-    spec = recipe.speculation
+    spec = recipe.speculation_for(checkpoint)
     sampling = recipe.sampling_for(checkpoint)
     if checkpoint.source == "builtin":
         where = "built locally by flare.demo (no download)"
@@ -104,7 +104,9 @@ def describe(recipe: Recipe, checkpoint: Checkpoint, command: str = "export") ->
                               f"(captured batch sizes up to --max-concurrency)"),
         ("speculation", ("available" if spec.available else "unavailable")
                         + (f": {spec.note}" if spec.note else "")
-                        + f"; draft tokens default {spec.default_draft_tokens}, maximum {spec.max_draft_tokens}"),
+                        + f"; draft tokens default {spec.default_draft_tokens}, maximum {spec.max_draft_tokens} "
+                          f"(--mtp-draft-tokens), {spec.token_capacity} target rows per verification step "
+                          f"(--speculative-token-capacity)"),
         ("images", "supported" if recipe.image_support else "not supported (text only)"),
         ("sampling defaults", ", ".join(f"{name} {_number(value)}" for name, value in sampling.defaults().items())),
         ("request ranges", ", ".join(f"{name} {_number(low)}..{_number(high)}"

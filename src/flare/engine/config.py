@@ -1,4 +1,5 @@
-"""The engine's own settings: batch shape, decode graph sizes, KV pages, length limits and scheduler policy.
+"""The engine's own settings: batch shape, decode graph sizes, KV pages, length limits, scheduler policy and
+speculation.
 
 Frozen: built once per engine. `engine_config_for_pool` turns a startup KV pool sizing
 (`flare.estimate.size_kv_pool`) into an EngineConfig that says which limit bound the pool.
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flare.engine.policy import SchedulerPolicy
+from flare.engine.speculation.settings import SpeculationSettings
 from flare.errors import UsageError
 
 KVPoolLimit = Literal["memory", "context", "concurrency"]
@@ -36,6 +38,8 @@ class EngineConfig:
     prompt_graph_sizes: tuple[int, ...] = ()
     # Plan and launch step N+1 while step N runs, its sampled ids staying on the device (EngineCore).
     one_step_ahead: bool = True
+    # Speculative decoding: draft tokens per request and step, where they come from, how wide to verify.
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
 
     def __post_init__(self) -> None:
         self._settle_graph_sizes()
@@ -100,7 +104,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                            scheduler_policy: SchedulerPolicy | None = None,
                            enable_prefix_caching: bool = True,
                            decode_graph_sizes: tuple[int, ...] = (),
-                           prompt_graph_sizes: tuple[int, ...] = ()) -> EngineConfig:
+                           prompt_graph_sizes: tuple[int, ...] = (),
+                           speculation: SpeculationSettings | None = None) -> EngineConfig:
     """The EngineConfig for a KV pool sized at startup (`flare.memory.KVPool`: pages, page_size, limited_by).
 
     The pool is the shared page supply for active requests and cached history. The served context is
@@ -117,7 +122,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                         enable_prefix_caching=enable_prefix_caching,
                         scheduler_policy=scheduler_policy or SchedulerPolicy(),
                         prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by,
-                        decode_graph_sizes=decode_graph_sizes, prompt_graph_sizes=prompt_graph_sizes)
+                        decode_graph_sizes=decode_graph_sizes, prompt_graph_sizes=prompt_graph_sizes,
+                        speculation=speculation or SpeculationSettings())
 
 
 SMALL_PROMPT_BUCKETS = (16, 32, 64, 128)

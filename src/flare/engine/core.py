@@ -11,6 +11,7 @@ Hot path: keep it small.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,10 @@ from flare.engine.kv_cache import KVCacheIntegrityError, PageAllocator
 from flare.engine.outputs import CoreOutput
 from flare.engine.request import EngineRequest, Request, RequestStatus, check_stop
 from flare.engine.scheduler import Scheduler, SchedulerOutput
+from flare.engine.speculation.adaptive import VerificationWidth
+from flare.engine.speculation.history import HistoryDrafter
+from flare.engine.speculation.settings import speculates
+from flare.engine.speculation.stats import SpeculationCounters
 from flare.engine.step import PendingStep, ScheduledRow, StepPlan, StepResult, StepRunner
 
 
@@ -48,7 +53,8 @@ class TokenMasker(Protocol):
 class Drafter(Protocol):
     """Speculative decoding plugs in here: draft tokens to verify after a request's next token."""
 
-    def propose(self, request: Request) -> tuple[int, ...]: ...
+    def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+        """At most `max_tokens` drafts to follow the request's received tokens."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,14 @@ class EngineStats:
     # The page integrity check (`EngineCore.check_integrity`) as of these numbers: "ok", the problem it
     # found, or "unchecked" when these stats were taken without running it.
     page_integrity: str = "unchecked"
+    # Speculative decoding, counters (flare.engine.speculation.stats): verification rounds (a request's
+    # step that carried drafts), drafts verified and accepted, and both by position (entry j: rounds
+    # that carried a draft j, and those whose draft j was accepted).
+    speculative_rounds: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    draft_tokens_proposed_by_position: tuple[int, ...] = ()
+    draft_tokens_accepted_by_position: tuple[int, ...] = ()
 
 
 @dataclass
@@ -81,6 +95,8 @@ class _Launched:
     requests: tuple[Request, ...]
     pending: PendingStep
     runs_ahead: bool
+    started: float = 0.0                        # time.perf_counter() when its planning began
+    drafts_offered: tuple[int, int] | None = None   # (requests that could carry drafts, drafts each)
     _result: StepResult | None = None
 
     def read(self) -> StepResult:
@@ -106,7 +122,16 @@ class EngineCore:
         runner.reset()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.token_masker = token_masker
+        speculation = config.speculation
+        if drafter is None and speculation.history and speculation.draft_tokens:
+            drafter = HistoryDrafter()
         self.drafter = drafter
+        self.speculation = SpeculationCounters(speculation.draft_tokens)
+        # Steps are planned with drafts: from the drafter, or proposed by the runner's draft model.
+        self._speculates = speculation.draft_tokens > 0 and (drafter is not None or speculation.draft_model)
+        self.widths = VerificationWidth(speculation.draft_tokens, speculation.adaptive, speculation.alpha,
+                                        speculation.max_verification_tokens, speculation.exact_verification_tokens,
+                                        config.decode_graph_sizes)
         self.allocator = PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
         self.requests: dict[str, Request] = {}
@@ -197,7 +222,8 @@ class EngineCore:
             prefix_cache_resident_pages=self.allocator.num_cached_pages,
             num_computed_tokens=self._num_computed_tokens,
             max_step_ms=self.config.scheduler_policy.max_step_ms or 0.0,
-            page_integrity=self._integrity() if check_integrity else "unchecked")
+            page_integrity=self._integrity() if check_integrity else "unchecked",
+            **self.speculation.stats())
 
     def _integrity(self) -> str:
         try:
@@ -215,8 +241,8 @@ class EngineCore:
     def _launch(self, previous: _Launched | None) -> _Launched | None:
         """Plan the next step and start it; the requests advance as if it had run already. `previous` is
         the step still in flight, whose ids the next tokens' masks may need."""
-        if self.drafter is not None:
-            self._propose_drafts()
+        started = time.perf_counter()
+        offered = self._propose_drafts() if self._speculates else None
         scheduled = self.scheduler.schedule()
         if not scheduled.plan.rows:
             return None
@@ -224,28 +250,39 @@ class EngineCore:
         pending = self.runner.launch(plan)
         runs_ahead, max_model_len = True, self.config.max_model_len
         for row, request in zip(plan.rows, scheduled.requests):
-            request.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids)
+            request.num_computed_tokens += row.num_fed_tokens
             if row.samples:
                 request.num_pending_outputs += 1
                 runs_ahead = runs_ahead and self._samples_ahead(row, request)
                 if request.tokens_left(max_model_len) <= 0:
                     self.scheduler.retire(request)          # its last token is sampled: nothing to plan
             self._commit(request)
-        return _Launched(plan, scheduled.requests, pending, runs_ahead)
+        return _Launched(plan, scheduled.requests, pending, runs_ahead, started, offered)
 
     def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
         """Whether the request's next row may be planned before this one's ids arrive."""
-        if row.draft_token_ids or self.drafter is not None:
+        if row.num_drafts or self._speculates:
             return False
         if request.samples_ahead is None:                   # its params never change: ask once
             request.samples_ahead = self.runner.samples_ahead(request.params)
         return request.samples_ahead
 
-    def _propose_drafts(self) -> None:
+    def _propose_drafts(self) -> tuple[int, int]:
+        """Drafts for the decoding requests, as many each as the verification width allows (adaptive:
+        chosen from measured acceptance and step cost); returns (requests offered drafts, drafts each)."""
+        masker = self.token_masker
+        candidates = []
         for request in self.scheduler.running:
+            request.draft_token_ids, request.num_proposed_drafts = (), 0
             decoding = request.num_uncomputed_tokens == 1 and request.num_pending_outputs == 0
-            constrained = self.token_masker is not None and self.token_masker.constrains(request)
-            request.draft_token_ids = self.drafter.propose(request) if decoding and not constrained else ()
+            if decoding and speculates(request.params) and not (masker is not None and masker.constrains(request)):
+                candidates.append(request)
+        limit = self.widths.drafts_for(len(candidates))
+        for request in candidates:
+            drafts = self.drafter.propose(request, limit) if self.drafter is not None else ()
+            request.draft_token_ids = drafts
+            request.num_proposed_drafts = limit - len(drafts) if self.config.speculation.draft_model else 0
+        return len(candidates), limit
 
     def _with_token_masks(self, scheduled: SchedulerOutput, previous: _Launched | None) -> StepPlan:
         """The plan with the next-token masks of its constrained sampling rows. A row whose previous token
@@ -292,15 +329,20 @@ class EngineCore:
         for index, (row, request) in enumerate(zip(launched.plan.rows, launched.requests)):
             if request.status is finished:
                 continue
-            computed += row.num_new_tokens - len(row.draft_token_ids)
+            computed += row.num_fed_tokens
             found = result.prompt_logprobs[index] if result.prompt_logprobs else None
             if found is not None:
                 add_prompt_logprobs(request, found.first_token, found.entries)
             if row.samples:
                 token_ids = result.token_ids[index]
                 computed += len(token_ids) - 1                     # accepted drafts
+                if row.num_drafts:
+                    self.speculation.count(row.num_drafts, len(token_ids) - 1)
+                    self.widths.observe_round(row.num_drafts, len(token_ids) - 1)
                 outputs.append(self._append_tokens(request, token_ids, result.row_logprobs(index)))
         self._num_computed_tokens += computed
+        if launched.drafts_offered is not None and not launched.runs_ahead:
+            self.widths.observe_step(*launched.drafts_offered, time.perf_counter() - launched.started)
         return outputs
 
     def _append_tokens(self, request: Request, token_ids, logprobs) -> CoreOutput:

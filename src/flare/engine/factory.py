@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flare.engine.config import EngineConfig
+from flare.errors import UsageError
 
 if TYPE_CHECKING:
     from flare.engine.messages import StartupProgress
@@ -38,6 +39,7 @@ class LoadedModel:
     dtype: str = "float32"
     compile_layers: bool = True         # on CUDA, compile the decoder layers (False: --no-compile packages)
     tokenizer_dir: str | None = None    # the tokenizer's files: the vocabulary grammars compile against
+    draft: tuple | None = None          # (draft model, its ModelConfig): a draft sharing the tokenizer
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,54 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     eos = merge_token_ids(model_config.eos_token_ids, generation_eos_token_ids(directory), extra_eos_token_ids)
     if engine_config is None:
         engine_config = default_engine_config(model_config.max_position_embeddings)
-    return LoadedModel(model_config, model, eos, engine_config, device, dtype, tokenizer_dir=str(directory))
+    draft = None
+    if engine_config.speculation.draft_model and engine_config.speculation.draft_tokens:
+        draft = load_draft_model(directory, model_config, getattr(torch, dtype), device, target=model)
+    return LoadedModel(model_config, model, eos, engine_config, device, dtype, tokenizer_dir=str(directory),
+                       draft=draft)
+
+
+def load_draft_model(directory: Path, target_config, dtype, device, target=None) -> tuple:
+    """The learned draft a checkpoint supplies in its `draft/` folder
+    (flare.engine.speculation.settings.supplied_draft): a draft model as (model, ModelConfig), or an
+    EAGLE-3 head as (Eagle3Draft, Eagle3Config) over `target`; refused unless it shares the target's
+    vocabulary."""
+    from flare.engine.speculation.settings import supplied_draft
+    from flare.models import iter_safetensors
+
+    found = supplied_draft(directory)
+    if found is None:
+        raise UsageError(f"speculation with a draft model needs one: {directory} has no draft/ folder with a "
+                         "config.json and safetensors weights")
+    hf_config = json.loads((found / "config.json").read_text())
+    return build_draft(hf_config, lambda: iter_safetensors(found), target_config, dtype, device, target)
+
+
+def build_draft(hf_config: dict, weights, target_config, dtype, device, target=None, on_bytes=None) -> tuple:
+    """A learned draft from its config.json and `weights()` (an iterable of checkpoint tensors, asked
+    for once or twice): see `load_draft_model`."""
+    from flare.models import ModelConfig, load_model
+    from flare.models.eagle3 import ARCHITECTURE as EAGLE3, Eagle3Config, build_eagle3
+
+    if EAGLE3 in (hf_config.get("architectures") or []):
+        config = Eagle3Config.from_hf_config(hf_config)
+        check_draft_vocabulary(config.layer, target_config)
+        head = build_eagle3(config, [name for name, _ in weights()], dtype, device,
+                            attention_backend(device, config.layer.head_dim))
+        head.load_hf_weights(weights())
+        if head.embed_tokens is None and target is not None:      # (None: a preparation's check alone)
+            head.share_embedding(target.model.embed_tokens)
+        return head, config
+    config = ModelConfig.from_hf_config(hf_config)
+    check_draft_vocabulary(config, target_config)
+    model = load_model(config, weights(), dtype, device, attention_backend(device, config.head_dim), on_bytes)
+    return model, config
+
+
+def check_draft_vocabulary(draft_config, target_config) -> None:
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise UsageError(f"the draft model's vocabulary has {draft_config.vocab_size:,} tokens and the target's "
+                         f"{target_config.vocab_size:,}: a draft model must share the target's tokenizer")
 
 
 def generation_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
@@ -148,7 +197,7 @@ def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Cal
 
         compile_model(loaded.model)
     runner = ModelRunner(loaded.model, loaded.model_config, loaded.engine_config, loaded.device,
-                         getattr(torch, loaded.dtype), seed, graphs=fast)
+                         getattr(torch, loaded.dtype), seed, graphs=fast, draft=loaded.draft)
     if load_tokenizer is None and loaded.tokenizer_dir is not None:
         load_tokenizer = partial(_hf_tokenizer, loaded.tokenizer_dir)
     structured = (StructuredOutputs(load_tokenizer, runner.vocab_size, loaded.eos_token_ids)

@@ -12,7 +12,9 @@ On CUDA, a step whose rows all feed one token and sample (decode) replays a capt
 smallest catalog size that holds it (flare.engine.cuda_graphs), sampling inside the graph; other steps
 run the model directly (compiled when `compile_model` was applied), or replay the piecewise graphs of
 the smallest token bucket that holds them when the config has prompt graph sizes
-(flare.engine.prompt_graphs), and call the same sampler.
+(flare.engine.prompt_graphs), and call the same sampler. Rows that carry draft tokens (speculation) run
+that way too: their drafts are verified against the target's distributions at their 1 + k positions
+(flare.engine.speculation.verification), and each answers its accepted drafts and one more token.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flare.engine.config import EngineConfig
 from flare.engine.logprobs import SelectedLogprobs, select_logprobs
 from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
+from flare.engine.speculation.verification import VerifiedRows, VerifyingRows, verify, with_proposal
 from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult
 from flare.engine.step_inputs import decode_rows, flat_inputs
 
@@ -38,7 +41,9 @@ class ModelRunner:
 
     def __init__(self, model, model_config, config: EngineConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int | None = None, graphs: bool | None = None,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, draft=None) -> None:
+        """`draft`: (model, its config) of a learned draft sharing the target's tokenizer, or None: a draft
+        model (flare.models CausalLM, ModelConfig) or an EAGLE-3 head (Eagle3Draft, Eagle3Config)."""
         from flare.engine.attention import allocate_kv_caches
 
         self.model = model
@@ -50,16 +55,33 @@ class ModelRunner:
             from flare.engine.cuda_graphs import runs_triton_attention
 
             graphs = on_cuda and runs_triton_attention(model)
-        rows = max(config.decode_graph_sizes[-1], config.max_concurrency + 1)      # most rows one call samples
+        # Most rows one sampler call takes: a decode graph's, or every request's 1 + k verified positions.
+        rows = max(config.decode_graph_sizes[-1], config.max_concurrency * (1 + config.speculation.draft_tokens) + 1)
         self.sampler = DeviceSampler(config.max_concurrency, self.vocab_size, self.device, seed, max_rows=rows)
         # Padded rows (graphs) and the padding slot write into one extra page the allocator never hands out.
         self.kv_caches = allocate_kv_caches(model_config, config.num_pages + 1, config.page_size, dtype, self.device)
         self.slots = BatchSlots(config.max_concurrency, config.max_pages_per_request, config.num_pages, self.device,
                                 self.sampler)
+        self.proposer = None
+        if draft is not None and config.speculation.draft_tokens:
+            self.proposer = self._proposer(draft, dtype)
         self.graphs = self.prompt_graphs = None
-        if graphs:
+        if graphs and self.proposer is None:        # the draft model runs beside every step: eagerly
             self.graphs = self._build_graphs(on_cuda if capture is None else capture)
             self.prompt_graphs = self._build_prompt_graphs(on_cuda if capture is None else capture)
+
+    def _proposer(self, draft, dtype: torch.dtype):
+        from flare.models.eagle3 import Eagle3Draft
+
+        config = self.config
+        if isinstance(draft[0], Eagle3Draft):
+            from flare.engine.speculation.eagle3 import Eagle3Proposer
+
+            return Eagle3Proposer(draft[0], self.model, self.slots, config.num_pages, config.page_size,
+                                  config.max_concurrency, dtype, self.device)
+        from flare.engine.speculation.draft_model import DraftModelProposer
+
+        return DraftModelProposer(*draft, config.num_pages, config.page_size, config.max_concurrency, dtype, self.device)
 
     def _build_graphs(self, capture: bool):
         from flare.engine.cuda_graphs import DecodeGraphs
@@ -98,16 +120,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingResult:
-        if any(row.draft_token_ids for row in plan.rows):
-            raise NotImplementedError("draft tokens: this runner does not verify speculative tokens yet")
         self.slots.apply(plan)
         states = [self.slots.requests[row.slot] for row in plan.rows]
-        pending = PendingResult(plan, states, [i for i, row in enumerate(plan.rows) if row.samples])
+        sampling = [i for i, row in enumerate(plan.rows) if row.samples and not row.num_drafts]
+        pending = PendingResult(plan, states, sampling)
         if self._fits_graph(plan.rows):
             hidden, logits, token_ids = self.graphs.run(decode_rows(plan, self.slots), self._host_bitmask(plan.rows))
             query_start = list(range(len(plan.rows) + 1))
         else:
+            proposal = self.proposer.run(plan, self.slots, self.sampler) if self.proposer is not None else None
             inputs = flat_inputs(plan, self.slots, self.config.page_size)
+            if proposal is not None:
+                place_proposal(inputs, plan, proposal)
             hidden = self._forward(inputs)
             query_start, logits, token_ids = inputs.query_start, None, None
             if pending.sampling:
@@ -115,6 +139,11 @@ class ModelRunner:
                 token_ids = self.sampler.sample(logits, inputs.sample_slots, inputs.sample_positions,
                                                 self._token_bitmask([plan.rows[i] for i in pending.sampling]))
                 self.slots.last_sampled.index_copy_(0, inputs.sample_slots, token_ids)
+            batch = verdict = None
+            if any(row.samples and row.num_drafts for row in plan.rows):
+                pending.verified, batch, verdict = self._verify(plan, states, hidden, inputs, proposal)
+            if self.proposer is not None:
+                self.proposer.after_step(step_outcome(plan, inputs, pending.sampling, token_ids, batch, verdict))
         pending.prompt = self._prompt_logprobs(plan.rows, states, hidden, query_start)
         if pending.sampling:
             pending.token_ids = token_ids.to("cpu", non_blocking=True)
@@ -129,6 +158,19 @@ class ModelRunner:
         if self.prompt_graphs is not None and self.prompt_graphs.holds(inputs.meta.num_tokens):
             return self.prompt_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+    def _verify(self, plan: StepPlan, states: list[SlotRequest], hidden: torch.Tensor, inputs, proposal):
+        """The rows carrying drafts: accepted drafts and one token after them; each row's last token
+        becomes its slot's next input (flare.engine.speculation.verification). Returns (their answer on the
+        way to the host, the rows, the verdict on the device)."""
+        batch = VerifyingRows.of(plan.rows, inputs.query_start, self.device)
+        probs = None
+        if proposal is not None:
+            batch, probs = with_proposal(batch, plan.rows, proposal, self.vocab_size)
+        verdict, verified = verify(self.model, self.sampler, hidden, batch, [states[i].params for i in batch.rows],
+                                   probs)
+        self.slots.last_sampled.index_copy_(0, batch.slots, verdict.last_tokens)
+        return verified, batch, verdict
 
     def _fits_graph(self, rows: tuple[ScheduledRow, ...]) -> bool:
         """Decode rows only: one token each, sampled (grammar masks go into the graph's mask buffer)."""
@@ -178,6 +220,32 @@ class ModelRunner:
         return found
 
 
+def step_outcome(plan: StepPlan, inputs, sampling: list[int], token_ids, batch, verdict):
+    """What the step fed and chose, for the learned draft (`DraftModelProposer.after_step`, `Eagle3Proposer`)."""
+    from flare.engine.speculation.draft_model import StepOutcome
+
+    chosen = {i: (token_ids[k], None) for k, i in enumerate(sampling)}
+    kept_slots, kept_rows = inputs.sample_slots, inputs.sample_rows
+    if batch is not None:
+        kept = batch.hidden_rows.view(len(batch.rows), batch.width).gather(1, (verdict.counts - 1)[:, None])[:, 0]
+        kept_slots, kept_rows = torch.cat([kept_slots, batch.slots]), torch.cat([kept_rows, kept])
+        chosen.update({i: (verdict.tokens[r], verdict.counts[r]) for r, i in enumerate(batch.rows)})
+    return StepOutcome(plan, inputs.input_ids, inputs.query_start, kept_slots, kept_rows, chosen)
+
+
+def place_proposal(inputs, plan: StepPlan, proposal) -> None:
+    """Write the draft model's tokens into the step's input ids, after each row's core drafts."""
+    targets, sources = [], []
+    width = proposal.tokens.shape[1]
+    for p, (i, count) in enumerate(zip(proposal.rows, proposal.counts)):
+        row = plan.rows[i]
+        first = inputs.query_start[i] + row.num_fed_tokens + len(row.draft_token_ids)
+        targets += range(first, first + count)
+        sources += range(p * width, p * width + count)
+    index = to_device(np.array([targets, sources], dtype=np.int64), inputs.input_ids.device)
+    inputs.input_ids.index_copy_(0, index[0], proposal.tokens.reshape(-1).index_select(0, index[1]))
+
+
 @dataclass
 class PendingResult:
     """A launched step's answer on its way to the host (flare.engine.step.PendingStep)."""
@@ -188,6 +256,7 @@ class PendingResult:
     token_ids: torch.Tensor | None = None   # [len(sampling)], host memory once `event` has passed
     logprobs: tuple[list[int], SelectedLogprobs] | None = None      # (positions in `sampling`, selected)
     prompt: dict | None = None              # row -> (first prompt token scored, selected)
+    verified: VerifiedRows | None = None    # the rows that carried drafts (speculation)
     copied: torch.cuda.Event | None = None  # passed when the copies to the host are done (CUDA)
 
     def result(self) -> StepResult:
@@ -204,9 +273,12 @@ class PendingResult:
             entries = selected.entries([self.states[self.sampling[j]].params.logprobs for j in asked])
             for j, entry in zip(asked, entries):
                 logprobs[self.sampling[j]] = (entry,)
+        if self.verified is not None:
+            self.verified.fill(token_ids, logprobs, [state.params.logprobs for state in self.states])
         prompt: list[PromptLogprobs | None] = [None] * len(rows)
         for i, (first_token, selected) in (self.prompt or {}).items():
             prompt[i] = PromptLogprobs(first_token, tuple(selected.entries([self.states[i].params.prompt_logprobs]
                                                                            * selected.token_ids.shape[0])))
-        return StepResult(tuple(token_ids), tuple(logprobs) if self.logprobs else (),
+        any_logprobs = self.logprobs is not None or (self.verified is not None and self.verified.logprobs is not None)
+        return StepResult(tuple(token_ids), tuple(logprobs) if any_logprobs else (),
                           tuple(prompt) if self.prompt else ())

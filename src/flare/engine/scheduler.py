@@ -43,7 +43,7 @@ from flare.engine.step import NewRequest, ScheduledRow, StepPlan
 
 class ScheduledChunk(msgspec.Struct, frozen=True):
     """Tokens `start .. start + num_new_tokens` of `request`, computed this step; the last
-    `len(draft_token_ids)` of them are drafts.
+    `len(draft_token_ids) + num_proposed` of them are drafts.
 
     `completes` says the chunk reaches the request's last token, so the step samples a new one.
     """
@@ -53,12 +53,15 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
     num_new_tokens: int
     completes: bool
     draft_token_ids: tuple[int, ...] = ()
+    num_proposed: int = 0                   # drafts the runner's draft model proposes after draft_token_ids
 
     @staticmethod
-    def of(request: Request, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledChunk:
+    def of(request: Request, num_new_tokens: int, draft_token_ids: tuple[int, ...] = (),
+           num_proposed: int = 0) -> ScheduledChunk:
         start = request.num_computed_tokens
-        fed = num_new_tokens - len(draft_token_ids)
-        return ScheduledChunk(request, start, num_new_tokens, start + fed == request.num_tokens, draft_token_ids)
+        fed = num_new_tokens - len(draft_token_ids) - num_proposed
+        return ScheduledChunk(request, start, num_new_tokens, start + fed == request.num_tokens, draft_token_ids,
+                              num_proposed)
 
 
 @dataclass(frozen=True)
@@ -184,20 +187,22 @@ class Scheduler:
         return min(request.num_uncomputed_tokens, self.config.prefill_chunk, step.budget, allowance)
 
     def _schedule_decode(self, request: Request, step: _StepPlan, now: float) -> None:
-        """The request's next token, and the draft tokens it carries as far as budget and length allow."""
-        drafts = request.draft_token_ids
-        if drafts:
-            room = min(step.budget, request.tokens_left(self.config.max_model_len)) - 1
-            drafts = drafts[:max(0, room)]
-        self._schedule_running(request, 1 + len(drafts), False, step, now, drafts)
+        """The request's next token, and the draft tokens it carries (those the core proposed, then those the
+        runner's draft model is to propose) as far as budget and length allow."""
+        drafts, proposed = request.draft_token_ids, request.num_proposed_drafts
+        if drafts or proposed:
+            room = max(0, min(step.budget, request.tokens_left(self.config.max_model_len)) - 1)
+            drafts = drafts[:room]
+            proposed = min(proposed, room - len(drafts))
+        self._schedule_running(request, 1 + len(drafts) + proposed, False, step, now, drafts, proposed)
 
     def _schedule_running(self, request: Request, num_new: int, prefill: bool, step: _StepPlan, now: float,
-                          drafts: tuple[int, ...] = ()) -> None:
+                          drafts: tuple[int, ...] = (), proposed: int = 0) -> None:
         target = request.num_computed_tokens + num_new
         if not self._make_room(request, target, step, now):
             return                                          # it preempted itself
         self.allocator.allocate(request.request_id, target)
-        step.add(ScheduledChunk.of(request, num_new, drafts), prefill)
+        step.add(ScheduledChunk.of(request, num_new, drafts, proposed), prefill)
 
     def _make_room(self, request: Request, num_tokens: int, step: _StepPlan, now: float) -> bool:
         """Preempt newer running requests until `request` can hold `num_tokens`; False if it went itself."""
@@ -273,7 +278,8 @@ class Scheduler:
                 request.seated = True
             table = self.allocator.page_table(request.request_id)
             rows.append(ScheduledRow(request.request_id, request.slot, chunk.start, chunk.num_new_tokens,
-                                     tuple(table[request.num_pages_sent:]), chunk.completes, chunk.draft_token_ids))
+                                     tuple(table[request.num_pages_sent:]), chunk.completes, chunk.draft_token_ids,
+                                     num_proposed=chunk.num_proposed))
             request.num_pages_sent = len(table)
         plan = StepPlan(tuple(rows), tuple(new_requests), tuple(self._finished_ids), tuple(self._preempted_ids))
         self._finished_ids, self._preempted_ids = [], []

@@ -14,8 +14,9 @@ only deltas cross: new pages, the tokens to compute, the slots to free. What eac
   `new_page_ids` to its slot's page table and compute its tokens. A slot is freed before it is reused.
 * A row computes positions `num_computed_tokens .. num_computed_tokens + num_new_tokens` of its request,
   and its slot's pages cover them. The token at a position is one the request crossed with, or the latest
-  token the runner sampled for the slot (it may still be on the device), or, for the last
-  `len(draft_token_ids)` positions, a draft.
+  token the runner sampled for the slot (it may still be on the device), or, for the last `num_drafts`
+  positions, a draft: first the `draft_token_ids` the core proposed, then `num_proposed` the runner's
+  draft model proposes itself.
 * A sampling row's answer holds 1 .. 1 + k ids: the drafts accepted in order, then one sampled id.
 * The runner may be asked to launch step N+1 before step N's result is read; results are read in launch
   order. A row may belong to a request that finished meanwhile: the core discards its answer.
@@ -54,15 +55,21 @@ class ScheduledRow(msgspec.Struct, frozen=True):
     num_new_tokens: int                     # tokens computed this step, draft tokens included
     new_page_ids: tuple[int, ...] = ()      # appended to the slot's page table before the step
     samples: bool = False                   # the row reaches the request's end: sample after it
-    draft_token_ids: tuple[int, ...] = ()   # the last len() tokens of the row, to verify (speculation)
+    draft_token_ids: tuple[int, ...] = ()   # drafts the core proposed, after the fed tokens (speculation)
     # Grammar bitmask for the sampled positions: int32 [1 + len(draft_token_ids), ceil(V / 32)], bit
     # t % 32 of word t // 32 set = token t allowed (xgrammar's layout). None: every token allowed.
     token_mask: np.ndarray | None = None
+    num_proposed: int = 0                   # drafts the runner's draft model proposes after draft_token_ids
+
+    @property
+    def num_drafts(self) -> int:
+        """The row's last tokens that are drafts, to verify."""
+        return len(self.draft_token_ids) + self.num_proposed
 
     @property
     def num_fed_tokens(self) -> int:
         """Tokens of the row that are not drafts."""
-        return self.num_new_tokens - len(self.draft_token_ids)
+        return self.num_new_tokens - len(self.draft_token_ids) - self.num_proposed
 
 
 class StepPlan(msgspec.Struct, frozen=True):

@@ -27,7 +27,8 @@ class FlatInputs:
     input_ids: torch.Tensor         # [T] int64
     positions: torch.Tensor         # [T] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor       # [S] int64: the hidden rows whose logits are sampled (one per sampling row)
+    sample_rows: torch.Tensor       # [S] int64: the hidden rows whose logits are sampled (one per sampling row
+                                    # without drafts; verifying rows are sampled by speculation.verification)
     sample_slots: torch.Tensor      # [S] int64: the batch slot each sampled row samples for
     sample_positions: torch.Tensor  # [S] int64: the index the sampled token takes in its request
     query_start: list[int]          # host copy of meta.query_start_loc
@@ -62,8 +63,9 @@ def flat_inputs(plan: StepPlan, slots: BatchSlots, page_size: int) -> FlatInputs
             from_sampled.append((offset, row.slot))
         else:
             input_ids[offset:offset + fed] = ids
-        input_ids[offset + fed:query_start[i + 1]] = row.draft_token_ids
-        if row.samples:                     # speculative rows (1 + k sampled positions) are not served here
+        # The core's drafts; the runner's draft model writes its own after them, on the device.
+        input_ids[offset + fed:offset + fed + len(row.draft_token_ids)] = row.draft_token_ids
+        if row.samples and not row.num_drafts:      # verifying rows: flare.engine.speculation.verification
             sample_rows.append(offset + fed - 1)
             sample_slots.append(row.slot)
             sample_positions.append(row.num_computed_tokens + fed)

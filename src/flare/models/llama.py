@@ -66,13 +66,23 @@ class LlamaModel(nn.Module):
                                     for index in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    # Layers whose input residual stream an EAGLE-3 head reads (flare.models.eagle3); empty: none. Each
+    # forward then leaves them side by side in `aux_hidden` [T, 3 x hidden].
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
+
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         dynamic = self.rotary_emb.rope.kind == "dynamic"
         cos, sin = self.rotary_emb(positions, meta.token_seq_lens() if dynamic else None)
         hidden = self.embed_tokens(input_ids)
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)  # once for all layers, as transformers rounds them
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index in self.aux_layers:
+                aux.append(hidden)
             hidden = layer(hidden, cos, sin, kv_cache, meta)
+        if aux:
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm(hidden)
 
 

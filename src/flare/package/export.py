@@ -20,8 +20,8 @@ from flare.package import format as fmt
 from flare.package import safetensors_io as st
 from flare.package import verify
 from flare.package import weights as wt
-from flare.package.manifest import (Checkpoint, Deployment, Frontend, GraphCatalog, License, Manifest,
-                                    PayloadRecord, Plan, Preparation, Publisher, Rank, Recipe, Sampling)
+from flare.package.manifest import (DRAFT_WEIGHTS, Checkpoint, Deployment, Frontend, GraphCatalog, License,
+                                    Manifest, PayloadRecord, Plan, Preparation, Publisher, Rank, Recipe, Sampling)
 from flare.package.signing import SigningIdentity
 from flare.package.store import EntryId, ModelCache, model_key_for
 
@@ -48,6 +48,7 @@ class ExportSpec:
     sampling: Sampling = field(default_factory=lambda: Sampling({}, {}))
     license: License | None = None
     compiled: "object | None" = None                 # flare.engine.compile_cache.CompiledArtifacts (GPU only)
+    draft_dir: Path | None = None                  # a learned draft's checkpoint: its weights become draft payloads
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ def _export_staged(spec: ExportSpec, cache: ModelCache, identity: SigningIdentit
             payloads += _reuse_weights(spec, cache, tree, reuse_from, hooks)
         else:
             payloads += _write_weights(spec, cache, tree, weight_mode == "no-weights", hooks)
+        if spec.draft_dir is not None:
+            if weight_mode == "reuse-weights":
+                raise UsageError("--reuse-weights takes the target's payloads from a cached version and cannot "
+                                 "take a learned draft's; export without it, or with --no-mtp")
+            payloads += _write_weights(spec, cache, tree, weight_mode == "no-weights", hooks, draft=True)
         payloads.append(_store(cache, tree, fmt.FRONTEND_PAYLOAD, "frontend", _frontend_tensors(spec), hooks))
         tensor_parallel = spec.plan.tensor_parallel
         deployment = f"tp{tensor_parallel}"
@@ -111,18 +117,20 @@ def write_signed_primary(tree: Path, manifest: Manifest, identity: SigningIdenti
 
 
 def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cached: bool,
-                   hooks: ExportHooks) -> list[PayloadRecord]:
+                   hooks: ExportHooks, draft: bool = False) -> list[PayloadRecord]:
     """Each layer's payload read, cast, hashed and written by a few workers at once (each step releases
-    the GIL: the cast in torch, the hash, the write), then stored and reported in checkpoint order."""
-    files = wt.checkpoint_tensor_files(spec.checkpoint_dir)
-    groups = list(wt.group_by_payload(files).items())
+    the GIL: the cast in torch, the hash, the write), then stored and reported in checkpoint order. With
+    `draft`, the learned draft's checkpoint, into payloads under `weights/draft/` (in the plan's dtype)."""
+    files = wt.checkpoint_tensor_files(spec.draft_dir if draft else spec.checkpoint_dir)
+    groups = [(DRAFT_WEIGHTS + payload.removeprefix("weights/") if draft else payload, names)
+              for payload, names in wt.group_by_payload(files).items()]
+    online_fp8 = None if draft else wt.online_fp8_of(spec.plan)
 
     def write(group: tuple[str, list[str]]) -> PayloadRecord:
         payload, names = group
         path = tree / payload
         path.parent.mkdir(parents=True, exist_ok=True)
-        sha256, size = st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype,
-                                                              wt.online_fp8_of(spec.plan)))
+        sha256, size = st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype, online_fp8))
         tensors, sample = verify.describe_weight_payload(path, size)     # read back from the page cache
         return PayloadRecord(payload, "weights", sha256, size, tensors, sample)
 

@@ -41,7 +41,8 @@ def build_report(package: Package, options: InspectOptions,
     deployment = _select_deployment(manifest, options.tensor_parallel)
     ranks = _select_ranks(deployment, options.rank)
     report: dict = {"verification": _verification(package), "model": _model(manifest),
-                    "capacities": _capacities(manifest), "cache_history": ["paged_kv"], "speculation": None,
+                    "capacities": _capacities(manifest), "cache_history": ["paged_kv"],
+                    "speculation": _speculation(manifest),
                     "sampling": msgspec.to_builtins(manifest.sampling),
                     "deployment": {"name": deployment.name, "tensor_parallel": deployment.tensor_parallel,
                                    "rank_count": len(deployment.ranks),
@@ -51,7 +52,8 @@ def build_report(package: Package, options: InspectOptions,
         report["memory_map"] = _memory_map(package, ranks)
     if options.graphs or options.all:
         report["graphs"] = [{"rank": rank.rank, "catalog": _catalog(package, rank),
-                             "compiled": _compiled(package, rank)} for rank in ranks]
+                             "compiled": _compiled(package, rank),
+                             "speculative_programs": _programs(manifest)} for rank in ranks]
     if options.frontend or options.all:
         report["frontend"] = _frontend(package, reply_parsers)
     if options.all:
@@ -186,6 +188,36 @@ def _rank_summary(package: Package, rank: Rank) -> dict:
             "weight_storage": dict(sorted(storage.items(), key=lambda item: -item[1])) or None,
             "fixed_bytes": sum(r.size for r in package.payloads),
             "graph_count": len(catalog["captured"]) if catalog else None}
+
+
+def _speculation(manifest: Manifest) -> dict | None:
+    """The plan's speculation, without its program list (--graphs shows that); None: prepared without."""
+    speculation = manifest.plan.speculation
+    if speculation is None:
+        return None
+    draft = speculation.draft
+    return {"draft_tokens": speculation.draft_tokens, "adaptive": speculation.adaptive,
+            "token_capacity": speculation.token_capacity, "history_drafts": speculation.history,
+            "draft_model": None if draft is None else {
+                "kind": draft.kind, "repo_id": draft.repo_id, "revision": draft.revision,
+                "layers": draft.config.get("num_hidden_layers"), "hidden_size": draft.config.get("hidden_size")}}
+
+
+def _programs(manifest: Manifest) -> dict | None:
+    """The speculative catalog's B/D/W/P programs, and how they run."""
+    speculation = manifest.plan.speculation
+    if speculation is None:
+        return None
+    return {"programs": [msgspec.to_builtins(program) for program in speculation.programs],
+            "width_one": "every decode capacity (the decode graphs)",
+            "execution": "eager: verification steps run the compiled layers without a captured graph"}
+
+
+def _programs_text(programs: dict | None) -> str:
+    if programs is None:
+        return "none (prepared with --no-mtp, or without speculation)"
+    listed = " ".join(f"{p['batch']}/{p['drafts']}/{p['width']}/{p['rows']}" for p in programs["programs"])
+    return f"B/D/W/P {listed or '-'}; width one at every batch; {programs['execution']}"
 
 
 def _catalog(package: Package, rank: Rank) -> dict | None:
@@ -344,7 +376,8 @@ def _detail_sections(report: dict) -> list[Section]:
                               [("captured", _text(catalog.get("captured")) if catalog else "not read (unverified)"),
                                ("note", _text(catalog.get("note")) if catalog else "-"),
                                ("prompt steps", _prompt_steps_text(catalog) if catalog else "-"),
-                               ("compiled kernels", _compiled_text(graphs["compiled"], catalog is not None))]))
+                               ("compiled kernels", _compiled_text(graphs["compiled"], catalog is not None)),
+                               ("speculative", _programs_text(graphs["speculative_programs"]))]))
     if "frontend" in report:
         frontend = report["frontend"]
         rows = [("tokenizer", _text(frontend["tokenizer_class"])), ("bos / eos",

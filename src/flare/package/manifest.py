@@ -128,6 +128,40 @@ class StepCostTable(_Record):
             raise ValueError("step_costs.prompt_tokens must start at 0 (decodes alone)")
 
 
+class SpeculationProgram(_Record):
+    """One verification program of a speculative catalog (spec §3.1 B/D/W/P): `batch` requests (the
+    decode capacity), `drafts` drafts each, `width` = drafts + 1 target rows per request, `rows` =
+    batch x width target rows in all. Width one (ordinary decoding) is never listed: every batch has it."""
+
+    batch: Positive
+    drafts: Positive
+    width: Positive
+    rows: Positive
+
+
+DRAFT_WEIGHTS = "weights/draft/"           # the payloads of a learned draft's weights
+
+
+class DraftModel(_Record):
+    """A learned draft whose weights are this package's `weights/draft/` payloads."""
+
+    kind: Literal["model", "eagle3"]        # a small model sharing the target's tokenizer, or an EAGLE-3 head
+    repo_id: str | None                     # where it came from (None: supplied in the checkpoint's draft/)
+    revision: str | None
+    config: dict[str, Any]                  # its config.json, opaque here
+
+
+class SpeculationPlan(_Record):
+    """Speculative decoding as prepared: `flare run` reduces it within these capacities, never beyond."""
+
+    draft_tokens: Count                     # most drafts per request and round (--mtp-draft-tokens)
+    adaptive: bool                          # the verification policy serving defaults to
+    token_capacity: Positive                # most target rows of a verification step (--speculative-token-capacity)
+    history: bool                           # drafts can be copied from each request's decoded history
+    programs: tuple[SpeculationProgram, ...]
+    draft: DraftModel | None = None         # None: drafts come from history only
+
+
 class Plan(_Record):
     """What preparation decided and serving follows."""
 
@@ -149,6 +183,7 @@ class Plan(_Record):
     # (flare.engine.prompt_graphs); set only when export captured them on the GPU and their replays
     # matched the eager step. Empty: those steps run eagerly.
     prompt_graph_sizes: tuple[Positive, ...] = ()
+    speculation: SpeculationPlan | None = None      # None: --no-mtp, or a package from before speculation
 
 
 class Sampling(_Record):

@@ -21,7 +21,7 @@ from flare.package import format as fmt
 from flare.package import safetensors_io as st
 from flare.package import verify
 from flare.package import weights as wt
-from flare.package.manifest import GraphCatalog, Manifest, PayloadRecord, Plan
+from flare.package.manifest import DRAFT_WEIGHTS, GraphCatalog, Manifest, PayloadRecord, Plan
 from flare.package.download import is_local_path, no_package_error
 from flare.package.store import DEFAULT_CACHE_ROOT, ModelCache
 from flare.package.trust import TrustOptions, TrustResult, authorize, verify_signature
@@ -72,11 +72,14 @@ class Package:
     def weight_payloads(self) -> tuple[PayloadRecord, ...]:
         return self.manifest.weight_payloads()
 
-    def iter_weights(self, pinned: bool = False) -> Iterator[tuple[str, object]]:
+    def iter_weights(self, pinned: bool = False, draft: bool = False) -> Iterator[tuple[str, object]]:
         """Every weight under its checkpoint name, as a CPU tensor mapped from the payload file; with
-        `pinned`, read into page-locked buffers instead (for a GPU: see `weights.iter_tensors_pinned`)."""
+        `pinned`, read into page-locked buffers instead (for a GPU: see `weights.iter_tensors_pinned`).
+        The target's weights, or with `draft` the learned draft's (`manifest.DRAFT_WEIGHTS` payloads)."""
         locations = []
         for record in self.weight_payloads():
+            if record.name.startswith(DRAFT_WEIGHTS) != draft:
+                continue
             location = self.files.locate(record)
             locations.append((location.path, location.offset, record.size, f"payload {record.name}"))
         if pinned:

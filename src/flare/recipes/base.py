@@ -76,12 +76,33 @@ class ConcurrencyRange:
 
 @dataclass(frozen=True)
 class Speculation:
-    """Speculative decoding as the recipe supports it; `available` False means decode one token a step."""
+    """Speculative decoding as the recipe supports it for a checkpoint; `available` False means decode one
+    token a step. `history`: drafts can be copied from each request's decoded history (`flare run
+    --history-drafts`). `token_capacity`: the default speculative token capacity (most target rows of a
+    verification step, `--speculative-token-capacity`)."""
 
     available: bool
     default_draft_tokens: int
     max_draft_tokens: int
     note: str = ""
+    history: bool = False
+    token_capacity: int = 128
+    # A learned draft: a small checkpoint of the same tokenizer, fetched into the hub cache at export
+    # (unless the target checkpoint supplies one in draft/; --no-mtp fetches nothing).
+    draft: Checkpoint | None = None
+
+
+def draft_speculation(draft: Checkpoint, name: str) -> Speculation:
+    """Speculation with `draft` (named `name` for people) as the learned draft, history drafts beside it."""
+    return Speculation(available=True, default_draft_tokens=4, max_draft_tokens=8, history=True, draft=draft,
+                       note=f"{name} drafts (it shares the tokenizer); history drafts with flare run --history-drafts")
+
+
+# Every dense family here verifies drafts copied from a request's history; without a learned draft they are
+# all it has. Four drafts by default (an answer that repeats its prompt keeps most of them), at most eight.
+HISTORY_SPECULATION = Speculation(available=True, default_draft_tokens=4, max_draft_tokens=8, history=True,
+                                  note="drafts copied from decoded history (flare run --history-drafts); "
+                                       "no learned draft for this checkpoint")
 
 
 @dataclass(frozen=True)
@@ -174,9 +195,17 @@ class Recipe:
     # ...); a recipe naming none rejects the flag.
     online_fp8_projections: tuple[str, ...] = ()
     sampling_by_alias: Mapping[str, SamplingDefaults] = field(default_factory=dict, compare=False)
+    speculation_by_alias: Mapping[str, Speculation] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "sampling_by_alias", MappingProxyType(dict(self.sampling_by_alias)))
+        object.__setattr__(self, "speculation_by_alias", MappingProxyType(dict(self.speculation_by_alias)))
+
+    def speculation_for(self, checkpoint: Checkpoint | None) -> Speculation:
+        """Speculation for a checkpoint; one with a learned draft declares its own."""
+        if checkpoint is not None and checkpoint.alias in self.speculation_by_alias:
+            return self.speculation_by_alias[checkpoint.alias]
+        return self.speculation
 
     def sampling_for(self, checkpoint: Checkpoint | None) -> SamplingDefaults:
         """Sampling defaults for a checkpoint; a checkpoint whose card differs from the family's has its own."""

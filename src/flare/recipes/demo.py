@@ -4,8 +4,8 @@ locally (tokenizer and weights trained on the CPU), so the first run needs no do
 from __future__ import annotations
 
 from flare.models.quantization import DECODER_PROJECTIONS
-from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
-                                Speculation, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, Checkpoint, ConcurrencyRange, Recipe,
+                                SamplingDefaults, sampling_ranges)
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -30,8 +30,7 @@ RECIPE = Recipe(
     page_size=16,
     prefill_chunk=512,
     decode_capacities=tuple(size for size in DECODE_CAPACITIES if size <= 64),
-    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="the demo has no draft model"),
+    speculation=HISTORY_SPECULATION,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
 )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from functools import partial
 
 from flare.models.quantization import DECODER_PROJECTIONS
-from flare.recipes.base import (DECODE_CAPACITIES, Checkpoint, ConcurrencyRange, Recipe, SamplingDefaults,
-                                Speculation, decode_weight_bytes, hub_checkpoint, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, Checkpoint, ConcurrencyRange, Recipe,
+                                SamplingDefaults, decode_weight_bytes, draft_speculation, hub_checkpoint,
+                                sampling_ranges)
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -61,6 +62,16 @@ FP8_CHECKPOINTS = (
 SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=0, min_p=0.0, ranges=sampling_ranges(),
                             source="generation_config.json of Llama-3.1-8B-Instruct")
 
+# Llama-3.2-1B-Instruct drafts for Llama 3.1 8B and 70B: the same 128,256-token vocabulary (above); export
+# checks that the two config.json files agree before anything is written.
+# An EAGLE-3 head exists for Llama-3.1-8B-Instruct: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (commit
+# 61aa096484ad9752292507b0cc9973bb423abb35 is quoted as a snapshot of it in public code; others are too).
+# Public download scripts fetch its config.json and pytorch_model.bin: a pickle, which Flare does not
+# read, so it is not declared here. Converted to safetensors and put in a checkpoint's draft/ folder,
+# it drafts (flare.models.eagle3, flare.engine.speculation.eagle3).
+SPECULATION_BY_ALIAS = {alias: draft_speculation(CHECKPOINTS[0], "Llama-3.2-1B-Instruct")
+                        for alias in ("llama-3.1-8b-instruct", "llama-3.1-70b-instruct", "llama-3.1-8b-instruct-fp8")}
+
 RECIPE = Recipe(
     family="llama",
     title="Llama 3.x",
@@ -74,8 +85,8 @@ RECIPE = Recipe(
     # at the cost of one more step per 4,096 prompt tokens.
     prefill_chunk=2048,
     decode_capacities=DECODE_CAPACITIES,
-    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Llama 3.x ships no draft model"),
+    speculation=HISTORY_SPECULATION,
+    speculation_by_alias=SPECULATION_BY_ALIAS,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
 )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from flare.models.quantization import DECODER_PROJECTIONS
-from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
-                                hub_checkpoint, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, ConcurrencyRange, Recipe,
+                                SamplingDefaults, hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "MistralForCausalLM"
 
@@ -37,8 +37,7 @@ RECIPE = Recipe(
     page_size=16,
     prefill_chunk=2048,                        # as Llama: bounds how long a chunk stalls active decodes
     decode_capacities=DECODE_CAPACITIES,
-    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Mistral 7B ships no draft model"),
+    speculation=HISTORY_SPECULATION,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
 )

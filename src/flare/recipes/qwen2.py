@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from flare.models.quantization import DECODER_PROJECTIONS
-from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
-                                hub_checkpoint, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, ConcurrencyRange, Recipe,
+                                SamplingDefaults, hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 
@@ -53,8 +53,7 @@ RECIPE = Recipe(
     page_size=16,
     prefill_chunk=4096,                        # spec section 4: 4,096 tokens for Qwen
     decode_capacities=DECODE_CAPACITIES,
-    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Qwen2.5 ships no draft model"),
+    speculation=HISTORY_SPECULATION,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
     sampling_by_alias={"qwen2.5-0.5b-instruct": SMALL_SAMPLING},

@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from flare.models.quantization import DECODER_PROJECTIONS
-from flare.recipes.base import (DECODE_CAPACITIES, ConcurrencyRange, Recipe, SamplingDefaults, Speculation,
-                                hub_checkpoint, sampling_ranges)
+from flare.recipes.base import (DECODE_CAPACITIES, HISTORY_SPECULATION, ConcurrencyRange, Recipe,
+                                SamplingDefaults, draft_speculation, hub_checkpoint, sampling_ranges)
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -56,6 +56,12 @@ SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0,
                             ranges=sampling_ranges(presence_penalty=(0.0, 2.0)),
                             source="Qwen3 model card (thinking mode) and generation_config.json")
 
+# Qwen3-0.6B drafts for the larger dense checkpoints: every Qwen3 dense size declares the same 151,936-token
+# vocabulary (above); export checks that the two config.json files agree before anything is written.
+_BY_ALIAS = {checkpoint.alias: checkpoint for checkpoint in CHECKPOINTS}
+SPECULATION_BY_ALIAS = {alias: draft_speculation(_BY_ALIAS["qwen3-0.6b"], "Qwen3-0.6B")
+                        for alias in ("qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-8b-fp8")}
+
 RECIPE = Recipe(
     family="qwen3",
     title="Qwen3 dense",
@@ -68,8 +74,8 @@ RECIPE = Recipe(
     # and at these sizes one 4,096-token chunk still stalls concurrent decodes only briefly.
     prefill_chunk=4096,
     decode_capacities=DECODE_CAPACITIES,
-    speculation=Speculation(available=False, default_draft_tokens=0, max_draft_tokens=0,
-                            note="Qwen3 dense ships no draft model"),
+    speculation=HISTORY_SPECULATION,
+    speculation_by_alias=SPECULATION_BY_ALIAS,
     sampling=SAMPLING,
     online_fp8_projections=DECODER_PROJECTIONS,
     reasoning_parser="qwen3",                  # <think>...</think>, switched by the template's enable_thinking

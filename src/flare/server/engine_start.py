@@ -44,6 +44,22 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     return cfg, network
 
 
+def _load_draft_weights(model: ServedModel, target_config, target, engine_config: Any, device: str,
+                        stages: StageReporter):
+    """debug-serve's learned draft (the checkpoint's draft/ folder) as (model, ModelConfig), or None."""
+    import torch
+
+    from flare.engine.factory import build_draft
+
+    if not engine_config.speculation.draft_model or model.iter_draft_weights is None:
+        return None
+    with stages.stage("Load draft weights") as stage:
+        draft = build_draft(model.speculation.draft.config, model.iter_draft_weights, target_config,
+                            getattr(torch, model.dtype), device, target, stage.advance)
+        stage.note(f"{model.speculation.draft.kind} draft, {model.dtype} on {device}")
+    return draft
+
+
 def start_in_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter):
     """debug-serve: load, prepare and allocate here; the core steps on a thread of this process.
     Returns (ThreadedEngine, Tokenizer)."""
@@ -53,12 +69,13 @@ def start_in_process(model: ServedModel, engine_config: Any, device: str, stages
     from flare.frontend.tokenizer import eos_token_ids_of, load_tokenizer
 
     cfg, network = load_model_weights(model, device, stages)
+    draft = _load_draft_weights(model, cfg, network, engine_config, device, stages)
     with stages.stage(STAGE_PREPARE) as stage:
         stage.note("CPU: eager PyTorch, no graphs to prepare" if device != "cuda" else "eager decode")
     with stages.stage(STAGE_ALLOCATE) as stage:
         eos = merge_token_ids(cfg.eos_token_ids, eos_token_ids_of(model.frontend_dir, None))
         core = build_core(LoadedModel(cfg, network, eos, engine_config, device, model.dtype,
-                                      tokenizer_dir=str(model.frontend_dir)))
+                                      tokenizer_dir=str(model.frontend_dir), draft=draft))
         tokenizer = load_tokenizer(model.frontend_dir)
         stage.note(_pool_note(engine_config))
     return ThreadedEngine(LLMEngine(core, tokenizer)), tokenizer

@@ -27,27 +27,38 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, memory_limit: str | None,
-                    reserve: int) -> KVPool:
-    """Pages for the shared KV pool of one device (raises CapacityError in the section-6 form)."""
+                    reserve: int, speculation=None) -> KVPool:
+    """Pages for the shared KV pool of one device (raises CapacityError in the section-6 form).
+    `speculation` (the engine's SpeculationSettings) adds verification scratch and lookahead pages."""
+    from flare.speculation_plan import speculation_memory
+
     limit_mode = parse_kv_cache_limit(kv_cache_limit)
     device = read_device_memory()[0]
     limit = parse_memory_limit(memory_limit) if memory_limit else None
     budget = memory_budget(device, engine_headroom("serving"), limit, reserve)
+    token_bytes = kv_bytes_per_token(model.hf_config, _DTYPE_BYTES.get(model.dtype, 4),
+                                     kv_cache_dtype=model.kv_cache_dtype)
+    if speculation is not None and speculation.draft_model and speculation.draft_tokens:
+        # The draft model's K/V lives in the same pages: each cached token holds both.
+        token_bytes += kv_bytes_per_token(model.speculation.draft.config, _DTYPE_BYTES.get(model.dtype, 4))
+    drafts = speculation.draft_tokens if speculation is not None and speculation.enabled else 0
+    rows = speculation.max_verification_tokens if drafts else None
+    verify = speculation_memory(model.hf_config, concurrency, drafts, rows, model.page_size, token_bytes)
     fixed = FixedCosts(weights=model.weight_bytes,
-                       graphs=serving_scratch_bytes(model.hf_config, concurrency, model.prefill_chunk),
-                       live_state=concurrency * live_state_bytes_per_request(model.hf_config, model.page_size,
-                                                                             model.max_model_len),
+                       graphs=serving_scratch_bytes(model.hf_config, concurrency, model.prefill_chunk) + verify.scratch,
+                       live_state=concurrency * (live_state_bytes_per_request(model.hf_config, model.page_size,
+                                                                              model.max_model_len)
+                                                 + verify.per_request),
                        prefix_cache_floor=0)
-    geometry = KVGeometry(page_size=model.page_size,
-                          bytes_per_token=kv_bytes_per_token(model.hf_config, _DTYPE_BYTES.get(model.dtype, 4),
-                                                             kv_cache_dtype=model.kv_cache_dtype),
+    geometry = KVGeometry(page_size=model.page_size, bytes_per_token=token_bytes,
                           max_context=model.max_model_len, max_concurrency=concurrency)
     if device.host and limit_mode == "memory":
         limit_mode = "concurrency"
     return size_kv_pool(budget, fixed, geometry, limit_mode)
 
 
-def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, scheduler_policy=None):
+def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, scheduler_policy=None,
+                          speculation=None):
     """The EngineConfig for serving `model` with `pool`; records which limit bound the pool. Its decode
     graphs are the plan's sizes that `concurrency` needs (all of them at the prepared concurrency), and
     so are its prompt graphs' token buckets (those the step budget at `concurrency` reaches)."""
@@ -60,4 +71,5 @@ def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, sc
                                   prefill_chunk=model.prefill_chunk, max_num_batched_tokens=budget,
                                   prepared_concurrency=model.prepared_concurrency,
                                   scheduler_policy=scheduler_policy, decode_graph_sizes=sizes,
-                                  prompt_graph_sizes=prompt_sizes_for(model.prompt_graph_sizes, budget))
+                                  prompt_graph_sizes=prompt_sizes_for(model.prompt_graph_sizes, budget),
+                                  speculation=speculation)

@@ -40,6 +40,7 @@ class ListenerOptions:
     max_step_ms: float | None = None        # --scheduler-max-step-ms; None: [scheduler] max_step_ms, else the default
     gpus: tuple[int, ...] | None = None     # --gpus; None: the first visible GPU (or the CPU)
     profile_startup: Path | None = None     # --profile-startup DIR: a cProfile of the engine core's start
+    speculation: Any = None                 # flare.speculation_plan.ServingFlags; None: the package's defaults
 
 
 # ---- settings from flags, configuration and the package ------------------------------------------------
@@ -121,11 +122,12 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
         raise UsageError(f"--kv-cache-limit must be one of {', '.join(KV_CACHE_LIMITS)}")
     memory_limit, reserve = serving_memory(listener_options, config, model)
     host, port = listener_address(listener_options, config)
+    speculation = serving_speculation_settings(listener_options, model)
     device = serving_device()
     cadence = serving_cadence(listener_options.scheduler_policy, model.step_costs, concurrency, model.prefill_chunk,
                               listener_options.max_step_ms, config, packaged=model.package_path is not None)
-    pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve)
-    engine_config = serving_engine_config(model, concurrency, pool, cadence.policy)
+    pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve, speculation)
+    engine_config = serving_engine_config(model, concurrency, pool, cadence.policy, speculation)
     if model.package_path is not None:
         profile_dir = str(listener_options.profile_startup) if listener_options.profile_startup else None
         engine, tokenizer = start_engine_process(model, engine_config, device, stages, profile_dir)
@@ -178,7 +180,29 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
         f"  scheduler {engine_config.scheduler_policy.name}: step budget {engine_config.max_num_batched_tokens:,} "
         f"tokens, prefill chunk {engine_config.prefill_chunk:,}",
         *([f"  cadence: {cadence}"] if cadence else []),
+        f"  {speculation_line(engine_config.speculation)}",
     ]
+
+
+def serving_speculation_settings(listener: ListenerOptions, model: ServedModel):
+    """The engine's SpeculationSettings: the package's record reduced by the serving flags (spec §3.2)."""
+    from flare.speculation_plan import ServingFlags, serving_speculation
+
+    plan = model.speculation
+    return serving_speculation(plan, listener.speculation or ServingFlags(),
+                               draft_model=plan is not None and plan.draft is not None)
+
+
+def speculation_line(settings) -> str:
+    """The startup report's account of the engine's SpeculationSettings."""
+    from flare.speculation_plan import speculation_summary
+
+    if settings.draft_tokens == 0:
+        return speculation_summary(None)
+    if not settings.enabled:
+        return (f"speculation: up to {settings.draft_tokens} draft tokens prepared, none proposed "
+                "(no learned draft; --history-drafts copies them from decoded history)")
+    return "speculation: " + speculation_summary(settings.draft_tokens, settings.adaptive, settings.history)
 
 
 @dataclass(frozen=True)
@@ -300,7 +324,8 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         sampling=SamplingPolicy(manifest.sampling.defaults, manifest.sampling.ranges),
         memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
         decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype,
-        step_costs=step_costs_of(plan), prompt_graph_sizes=plan.prompt_graph_sizes)
+        step_costs=step_costs_of(plan), prompt_graph_sizes=plan.prompt_graph_sizes,
+        speculation=plan.speculation)
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------
@@ -318,6 +343,8 @@ class DebugOptions:
     prefill_chunk: int = 512
     sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
     decode_capacities: tuple[int, ...] = ()    # the recipe's captured batch sizes; empty: the standard ones
+    speculation: Any = None                    # the SpeculationPlan the preparation flags made; None: off
+    draft_dir: Path | None = None              # the learned draft's checkpoint, when the plan has one
 
 
 def _debug_concurrency(options: DebugOptions) -> int:
@@ -330,6 +357,14 @@ def _debug_concurrency(options: DebugOptions) -> int:
         raise UsageError(f"{concurrency.origin} is outside the recipe's range 1 through "
                          f"{options.recipe_max_concurrency}")
     return concurrency.value
+
+
+def _draft_weights(options: DebugOptions):
+    """debug-serve reads a learned draft from the directory its plan record came from."""
+    from flare.models import iter_safetensors
+
+    draft_dir = options.draft_dir
+    return (lambda: iter_safetensors(draft_dir)) if draft_dir is not None else None
 
 
 def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
@@ -352,7 +387,8 @@ def debug_serve(options: DebugOptions, stream: TextIO | None = None) -> int:
         prepared_concurrency=concurrency, decode_capacities=options.decode_capacities,
         max_model_len=int(hf_config["max_position_embeddings"]),
         weight_bytes=sum(path.stat().st_size for path in safetensors_files(directory)),
-        iter_weights=lambda: iter_safetensors(directory), sampling=options.sampling)
+        iter_weights=lambda: iter_safetensors(directory), sampling=options.sampling,
+        speculation=options.speculation, iter_draft_weights=_draft_weights(options))
     lines = lambda: ["  debug-serve: diagnostic serving of a checkpoint; export a package for real serving"]
     try:
         return serve(model, listener_options, options.config, stages, stream, listener, lines)

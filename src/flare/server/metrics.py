@@ -18,9 +18,13 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 
 
 def _value(stats: Any, key: str) -> float:
-    """One number of an EngineStats; `kv_cache_usage` is the fraction of its pages in use."""
+    """One number of an EngineStats; `kv_cache_usage` is the fraction of its pages in use,
+    `mean_accepted_length` the tokens a verification round brought on average (drafts accepted + 1)."""
     if key == "kv_cache_usage":
         return stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
+    if key == "mean_accepted_length":
+        rounds = stats.speculative_rounds
+        return (stats.draft_tokens_accepted + rounds) / rounds if rounds else 0.0
     return float(getattr(stats, key))
 
 
@@ -32,6 +36,16 @@ ENGINE_COUNTERS = (
     ("flare_prefix_cache_evicted_pages", "prefix_cache_evicted_pages", "Cached KV pages reclaimed for new content"),
     ("flare_computed_tokens", "num_computed_tokens", "Tokens the model computed, prefill and decode"),
     ("flare_num_preemptions", "num_preemptions", "Requests preempted to free KV pages"),
+    ("flare_spec_decode_rounds", "speculative_rounds", "Verification rounds: a request's step that carried drafts"),
+    ("flare_spec_decode_draft_tokens", "draft_tokens_proposed", "Draft tokens verified"),
+    ("flare_spec_decode_accepted_tokens", "draft_tokens_accepted", "Draft tokens accepted"),
+)
+# Per draft position (label position="0" for the first draft of a round).
+ENGINE_POSITION_COUNTERS = (
+    ("flare_spec_decode_draft_tokens_per_position", "draft_tokens_proposed_by_position",
+     "Draft tokens verified at each position of a round"),
+    ("flare_spec_decode_accepted_tokens_per_position", "draft_tokens_accepted_by_position",
+     "Draft tokens accepted at each position of a round"),
 )
 ENGINE_GAUGES = (
     ("flare_kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache pages in use"),
@@ -43,6 +57,8 @@ ENGINE_GAUGES = (
      "KV pages holding reusable cached content, in use or not"),
     ("flare_scheduler_max_step_ms", "max_step_ms",
      "The cadence bound the balanced policy keeps on steps that carry decodes, in ms (0: none)"),
+    ("flare_spec_decode_mean_accepted_length", "mean_accepted_length",
+     "Tokens a verification round brought on average (accepted drafts + 1) over the engine's life"),
 )
 
 
@@ -64,6 +80,11 @@ class _EngineCollector:
                 family = kind(name, text)
                 family.add_metric([], _value(stats, key))
                 yield family
+        for name, key, text in ENGINE_POSITION_COUNTERS:
+            family = CounterMetricFamily(name, text, labels=["position"])
+            for position, count in enumerate(getattr(stats, key, ())):
+                family.add_metric([str(position)], float(count))
+            yield family
 
 
 class ServerMetrics:

@@ -46,8 +46,26 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
         started = time.perf_counter()
         model = load_model(cfg, package.iter_weights(pinned=on_cuda), getattr(torch, dtype), device,
                            attention_backend(device, cfg.head_dim), lambda count: report(WeightsRead(count)))
+        draft = _load_draft(package, cfg, model, engine_config, dtype, device, report)
         report(WeightsLoaded(time.perf_counter() - started))
         if compiled_note is not None:
             report(PrepareNote(compiled_note.result()))
     return LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
-                       device, dtype, compile_layers=package.plan.compile, tokenizer_dir=tokenizer_dir)
+                       device, dtype, compile_layers=package.plan.compile, tokenizer_dir=tokenizer_dir, draft=draft)
+
+
+def _load_draft(package, target_config, target, engine_config: Any, dtype: str, device: str, report: Report):
+    """The package's learned draft as (model, ModelConfig), or None without one. Loaded also at
+    --mtp-draft-tokens 0 (spec §5: reducing the draft count retains the draft's weights; the runner then
+    keeps no draft state and runs it never)."""
+    import torch
+
+    from flare.engine.factory import build_draft
+
+    speculation = package.plan.speculation
+    if speculation is None or speculation.draft is None or not engine_config.speculation.draft_model:
+        return None
+    pinned = str(device).startswith("cuda")
+    return build_draft(speculation.draft.config, lambda: package.iter_weights(pinned=pinned, draft=True),
+                       target_config, getattr(torch, dtype), device, target,
+                       lambda count: report(WeightsRead(count)))

@@ -1,7 +1,11 @@
-"""`ignition bench [MODEL]`: complete decode-step latency of a prepared model, timed with CUDA events.
+"""`ignition bench [MODEL]`: complete speculative rounds (or, at --verify-width 1, decode steps) of a
+prepared model, timed with CUDA events.
 
 Opens no listener and exports no package. Each case (batch × context) starts from real prefilled
-contexts; state is restored outside the timed interval before every step.
+contexts; state is restored outside the timed interval before every round. A round verifies W target
+tokens per request (the pending one and W - 1 drafts: B x W rows), samples, accepts and commits; its
+proposal is the checkpoint's draft model when it supplies one in draft/, else point-mass drafts (as
+history drafts are) (flare.bench_speculation).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import argparse
 from flare.errors import UsageError
 
 DEFAULT_MODEL_NOTE = "the explicit MODEL, else defaults.model"
+DEFAULT_VERIFY_WIDTH = 8            # seven drafts and the pending token (spec: the bench's verification block)
+MAX_VERIFY_WIDTH = 16
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +39,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetitions", metavar="N", default="20", help="timed restored steps per case and seed (default 20)")
     parser.add_argument("--seeds", metavar="LIST", default=listed(DEFAULT_SEEDS),
                         help=f"distinct input and sampling seeds (default {listed(DEFAULT_SEEDS)})")
+    parser.add_argument("--verify-width", metavar="N", default=str(DEFAULT_VERIFY_WIDTH),
+                        help="target tokens per request, including the pending token: N - 1 draft tokens; 1 "
+                             f"measures plain decode steps (default {DEFAULT_VERIFY_WIDTH})")
     parser.add_argument("--output", metavar="PATH",
                         help="JSON with configuration, device identity, per-case statistics and raw samples "
                              "(default: none; the table still prints)")
@@ -58,12 +67,13 @@ def run(args) -> int:
     from flare.config import MAX_CONCURRENCY, resolve
 
     config = bench_config(args)
+    width = verify_width(args.verify_width)
     chosen = resolve(MAX_CONCURRENCY, args.max_concurrency, args.configuration, max(config.batches),
                      fallback_origin="the largest batch", names=(args.model,) if args.model else ())
     concurrency = chosen.value
     if concurrency < max(config.batches):
         raise UsageError(f"{chosen.origin} is below the largest batch {max(config.batches)}")
-    target, configuration = build_target(args, concurrency, max_context=max(config.contexts))
+    target, configuration = build_target(args, concurrency, max_context=max(config.contexts), width=width)
     output = Path(args.output) if args.output else None
     result = run_bench(target, config, cuda_event_timer(), device=device_identity(),
                        configuration={**configuration, "max_concurrency": concurrency,
@@ -73,9 +83,20 @@ def run(args) -> int:
     return 0
 
 
-def build_target(args, concurrency: int, max_context: int):
-    """The model's complete decode step on one GPU as served: Triton attention, decoder layers compiled,
-    the step captured as a CUDA graph. Returns (target, configuration)."""
+def verify_width(text: str) -> int:
+    from flare.bench import positive_int
+
+    width = positive_int(text, "--verify-width")
+    if width > MAX_VERIFY_WIDTH:
+        raise UsageError(f"--verify-width {width}: at most {MAX_VERIFY_WIDTH} target tokens per request "
+                         f"({MAX_VERIFY_WIDTH - 1} drafts)")
+    return width
+
+
+def build_target(args, concurrency: int, max_context: int, width: int = 1):
+    """The model's complete decode step (width 1) or speculative round on one GPU as served: Triton
+    attention, decoder layers compiled, the step captured as a CUDA graph (a round with a draft model
+    runs eagerly). Returns (target, configuration)."""
     import torch
 
     from flare.memory import parse_gpus
@@ -95,11 +116,22 @@ def build_target(args, concurrency: int, max_context: int):
 
     cfg, model = load_checkpoint(directory, torch.bfloat16, "cuda", TritonBackend())
     compile_model(model)                       # the decoder layers as `flare run` executes them
-    target = ModelDecodeTarget(model, cfg, max_batch=concurrency, max_context=max_context)
     configuration = {"model": str(args.model), "checkpoint": str(directory), "architecture": cfg.architecture,
-                     "dtype": "bfloat16", "attention": "triton", "page_size": target.page_size,
-                     "compiled_layers": True, "graphs": True, "sampling": "greedy", "gpus": list(gpus)}
-    return target, configuration
+                     "dtype": "bfloat16", "attention": "triton", "page_size": 16, "compiled_layers": True,
+                     "sampling": "greedy", "gpus": list(gpus), "verify_width": width, "draft_tokens": width - 1}
+    if width == 1:
+        return ModelDecodeTarget(model, cfg, max_batch=concurrency, max_context=max_context), {
+            **configuration, "graphs": True, "proposal": None}
+    from flare.bench_speculation import SpeculativeRoundTarget
+    from flare.engine.factory import load_draft_model
+    from flare.engine.speculation.settings import supplied_draft
+
+    draft = load_draft_model(directory, cfg, torch.bfloat16, "cuda") if supplied_draft(directory) else None
+    target = SpeculativeRoundTarget(model, cfg, width=width, max_batch=concurrency, max_context=max_context,
+                                    draft=draft)
+    # Each case's aggregate target rows are its batch times verify_width (P = B x W).
+    return target, {**configuration, "graphs": draft is None,
+                    "proposal": "draft model (draft/)" if draft else "point-mass drafts (as history drafts)"}
 
 
 def checkpoint_directory(model, configuration):

@@ -5,6 +5,7 @@ For diagnosing model and preparation faults; export a package and `flare run` it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -23,9 +24,16 @@ def configure(parser):
     parser.add_argument("--served-model-name", metavar="ALIAS", help="serve under this alias instead")
     parser.add_argument("--api-key-file", type=Path, metavar="PATH",
                         help="file containing the API key; an empty file disables authentication")
+    from flare.cli.speculation_flags import add_preparation_arguments, add_serving_arguments
+
+    add_preparation_arguments(parser, with_fixed=False)
+    add_serving_arguments(parser, draft_tokens=False)
 
 
 def run(args) -> int:
+    from dataclasses import replace
+
+    from flare.cli.speculation_flags import preparation_flags, serving_flags
     from flare.config import MAX_CONCURRENCY, PORT, check_flag
     from flare.memory import parse_gpus
     from flare.server.launch import DebugOptions, ListenerOptions, debug_serve
@@ -39,17 +47,41 @@ def run(args) -> int:
         from flare.config import load_config
 
         configuration = load_config(getattr(args, "config", None))
-    directory, facts = _resolve(args.model, configuration)
+    serving = serving_flags(args)
+    preparing = replace(preparation_flags(args), fixed_verification=serving.adaptive is False)
+    directory, facts, resolved = _resolve(args.model, configuration)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
-                               gpus=gpus)
+                               gpus=gpus, speculation=serving)
     options = DebugOptions(checkpoint_dir=directory, canonical_id=facts.model_id,
                            served_names=facts.served_names or (facts.model_id,), listener=listener,
                            config=configuration, recipe_concurrency=facts.default_concurrency,
                            recipe_max_concurrency=facts.max_concurrency, decode_capacities=facts.decode_capacities,
                            page_size=facts.page_size, prefill_chunk=facts.prefill_chunk,
-                           sampling=SamplingPolicy(facts.sampling_defaults, facts.sampling_ranges))
+                           sampling=SamplingPolicy(facts.sampling_defaults, facts.sampling_ranges),
+                           **_speculation(facts, preparing, configuration, args.max_concurrency, directory, resolved))
     return debug_serve(options)
+
+
+def _speculation(facts, flags, configuration, max_concurrency, directory, resolved) -> dict:
+    """The speculation a package of this checkpoint would record (from the recipe and the preparation
+    flags) and its learned draft's directory, as DebugOptions fields."""
+    from flare.config import MAX_CONCURRENCY, resolve
+    from flare.prepare import CheckpointSource, draft_record
+    from flare.recipes.base import decode_capacities_for
+    from flare.speculation_plan import fetch_draft, plan_speculation
+
+    names = (facts.model_id, *facts.served_names, facts.alias)
+    concurrency = resolve(MAX_CONCURRENCY, max_concurrency, configuration, facts.default_concurrency,
+                          names=names).value
+    capacities = decode_capacities_for(facts.decode_capacities, min(concurrency, facts.max_concurrency))
+    found = None if flags.no_mtp else fetch_draft(facts.speculation, directory, resolved.options)
+    draft_dir = found[0] if found else None
+    hf_config = json.loads((Path(directory) / "config.json").read_text())
+    draft = draft_record(CheckpointSource(directory, *((None, None, None, *found) if found else ())), hf_config)
+    plan = plan_speculation(facts.speculation, flags, configuration, names, capacities,
+                            facts.alias or facts.model_id, draft)
+    return {"speculation": plan, "draft_dir": draft_dir if plan is not None else None}
 
 
 def _resolve(model: str | None, configuration):
@@ -58,4 +90,4 @@ def _resolve(model: str | None, configuration):
     from flare.resolve import fetch, resolve_model
 
     resolved = resolve_model(model, configuration)
-    return Path(fetch(resolved)), RecipeFacts.from_resolved(resolved)
+    return Path(fetch(resolved)), RecipeFacts.from_resolved(resolved), resolved

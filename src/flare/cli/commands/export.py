@@ -35,6 +35,9 @@ def configure(parser):
     parser.add_argument("--config", type=Path, metavar="PATH",
                         help="configuration file (default ~/.config/flare/config.toml)")
     parser.add_argument("--verbose", action="store_true", help="per-phase detail on stderr")
+    from flare.cli.speculation_flags import add_preparation_arguments
+
+    add_preparation_arguments(parser)
     advanced = parser.add_argument_group("advanced")
     advanced.add_argument("--compile-workers", type=int, metavar="N",
                           help="CPU compiler processes for compiling forwards (overrides [preparation] "
@@ -44,6 +47,7 @@ def configure(parser):
 
 
 def run(args) -> int:
+    from flare.cli.speculation_flags import preparation_flags
     from flare.prepare import ExportOptions, check_flags, export_model
     from flare.ui.progress import PhaseProgress
 
@@ -59,19 +63,25 @@ def run(args) -> int:
         weight_mode="no-weights" if args.no_weights else "reuse-weights" if args.reuse_weights else "normal",
         repo_id=args.repo_id, official_source=args.official_source, publisher_keys=tuple(args.publisher_key),
         config_path=args.config, compile=not args.no_compile, compile_workers=args.compile_workers,
-        online_fp8=args.online_mxfp8, kv_cache_dtype=args.kv_cache_dtype)
+        online_fp8=args.online_mxfp8, kv_cache_dtype=args.kv_cache_dtype,
+        speculation=preparation_flags(args))
     check_flags(options)                                   # before MODEL is resolved or downloaded
-    source, recipe = _resolve(args)
+    source, recipe = _resolve(args, options.speculation.no_mtp)
     entry = export_model(source, recipe, options, PhaseProgress(verbose=args.verbose))
     print(entry)
     return 0
 
 
-def _resolve(args):
-    """MODEL (or defaults.model) to a complete local checkpoint and the facts of its recipe."""
+def _resolve(args, no_mtp: bool):
+    """MODEL (or defaults.model) to a complete local checkpoint and the facts of its recipe; with its learned
+    draft, unless --no-mtp (spec §8: the draft is fetched into the same hub cache, or supplied in draft/)."""
     from flare.prepare import CheckpointSource, RecipeFacts
     from flare.resolve import fetch, resolve_model
+    from flare.speculation_plan import fetch_draft
     resolved = resolve_model(args.model, args.configuration)
     directory = Path(fetch(resolved))
-    source = CheckpointSource(directory, resolved.repo_id, resolved.revision, resolved.describe())
-    return source, RecipeFacts.from_resolved(resolved)
+    facts = RecipeFacts.from_resolved(resolved)
+    draft = None if no_mtp else fetch_draft(facts.speculation, directory, resolved.options)
+    source = CheckpointSource(directory, resolved.repo_id, resolved.revision, resolved.describe(),
+                              *(draft or (None, None, None)))
+    return source, facts

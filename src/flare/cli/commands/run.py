@@ -30,6 +30,9 @@ def configure(parser):
     capacity.add_argument("--memory-limit", metavar="LIMIT",
                           help="per-GPU occupied size (30G), free-memory reserve (-30G) or fraction of total "
                                "memory (0.8) (default: [memory] reserve, otherwise the package's reserve)")
+    from flare.cli.speculation_flags import add_serving_arguments
+
+    add_serving_arguments(parser)
     scheduling = parser.add_argument_group("scheduling")
     scheduling.add_argument("--scheduler-policy", metavar="POLICY", default="balanced",
                             help="balanced keeps output cadence; throughput fills each step with prompt work "
@@ -64,6 +67,7 @@ def configure(parser):
 
 def run(args) -> int:
     from flare.cli.commands.download import download_options_from_args
+    from flare.cli.speculation_flags import serving_flags
     from flare.package.trust import trust_options_from_args
     from flare.server.launch import ListenerOptions, RunOptions, run_package
 
@@ -80,7 +84,7 @@ def run(args) -> int:
                                kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit,
                                scheduler_policy=policy, max_step_ms=args.scheduler_max_step_ms,
                                gpus=parse_gpus(args.gpus) if args.gpus else None,
-                               profile_startup=args.profile_startup)
+                               profile_startup=args.profile_startup, speculation=serving_flags(args))
     options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
                          config=args.configuration, model_cache=args.model_cache,
                          download=download_options_from_args(args))
