@@ -11,6 +11,7 @@ from test_scheduler import add, prompt
 from test_step_contract import EvenTokens, OracleDrafter, run_checked
 
 from flare.engine.config import EngineConfig
+from flare.engine.speculation.settings import SpeculationSettings
 from flare.engine.core import EngineCore
 
 
@@ -29,7 +30,8 @@ class RecordingRunner(FakeRunner):
 def test_pickled_plans_give_another_runner_the_same_answers(hooks):
     # Few pages for many requests: preemptions, resumed requests, freed and reused slots.
     config = EngineConfig(max_concurrency=4, page_size=4, num_pages=14, max_model_len=40, prefill_chunk=8,
-                          max_num_batched_tokens=24)
+                          max_num_batched_tokens=24,
+                          speculation=SpeculationSettings(draft_tokens=3 if hooks == "drafts" else 0))
     runner = RecordingRunner(config.page_size)
     extra = ({"drafter": OracleDrafter(length=3, wrong_every=2)} if hooks == "drafts" else
              {"token_masker": EvenTokens(FakeRunner.vocab_size)})
