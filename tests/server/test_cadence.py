@@ -124,6 +124,7 @@ def test_the_plan_records_the_table_and_a_package_without_it_reads_as_none():
 
 def test_the_startup_report_says_the_bound_and_the_metrics_show_it(on_gpu):
     from flare.engine.config import EngineConfig
+    from flare.engine.core import EngineStats
     from flare.server.launch import startup_report
     from flare.server.metrics import ServerMetrics
 
@@ -137,8 +138,7 @@ def test_the_startup_report_says_the_bound_and_the_metrics_show_it(on_gpu):
     lines = startup_report(model, settings, pool, config, "http://127.0.0.1:8000", "cuda", chosen.note)
     assert "  cadence: steps beside decoding requests kept within 12 ms (--scheduler-max-step-ms 12.0; step " \
            "costs measured at export on NVIDIA H200)" in lines
-    stats = SimpleNamespace(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=1, num_preemptions=0,
-                            prefix_cache_hit_tokens=0, prefix_cache_miss_tokens=0, prefix_cache_evicted_pages=0,
-                            prefix_cache_resident_pages=0, num_computed_tokens=0, max_step_ms=12.0)
+    stats = EngineStats(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=1, num_preemptions=0,
+                        max_step_ms=12.0)
     text = ServerMetrics(lambda: stats).render().decode()
     assert "flare_scheduler_max_step_ms 12.0" in text
