@@ -53,14 +53,8 @@ now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 ignition() { "$PY" -c 'import sys; from flare.cli.ignition import main; sys.exit(main())' "$@"; }
 
-WHEELS=${WHEELS:-.whl}
-NEEDED="fastapi uvicorn rich cryptography tomlkit pyzmq msgspec prometheus-client nvidia-ml-py jinja2 filelock httpx xgrammar apache-tvm-ffi"
-if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, rich, cryptography, tomlkit, zmq, msgspec, prometheus_client, pynvml, httpx' 2>/dev/null; then
-  log "installing what is missing from $WHEELS"
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" $NEEDED 2>&1 | tail -2
-  "$PY" -c 'import fastapi' 2>/dev/null || "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
-    --break-system-packages $NEEDED 2>&1 | tail -2
-fi
+# shellcheck source=benchmarks/gpu_setup.sh
+source "$REPO/benchmarks/gpu_setup.sh"
 # Python keeps compiled bytecode next to the sources. Where it cannot (read-only site-packages, or
 # PYTHONDONTWRITEBYTECODE), every process recompiles torch's modules from source: 8.7 s of a profiled
 # engine start on the H200 machine. A bytecode folder of our own gives what a normal install has.
@@ -70,9 +64,7 @@ if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] || [ ! -w "$TORCH_DIR" ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=$WORK/pycache
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
-"$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
-echo "commit ${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"
+write_device_record
 echo "export flags: ${EXPORT_FLAGS:-none}" | tee -a "$OUT/device.txt"
 
 if [ "${GATE:-1}" != 0 ]; then

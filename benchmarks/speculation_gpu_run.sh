@@ -27,17 +27,9 @@ export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HOME=$
 mkdir -p "$HOME"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 ignition() { "$PY" -c 'import sys; from flare.cli.ignition import main; sys.exit(main())' "$@"; }
-WHEELS=${WHEELS:-.whl}
-NEEDED="fastapi uvicorn rich cryptography tomlkit pyzmq msgspec prometheus-client nvidia-ml-py jinja2 filelock httpx xgrammar apache-tvm-ffi"
-if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, rich, cryptography, tomlkit, zmq, msgspec, prometheus_client, pynvml, httpx' 2>/dev/null; then
-  log "installing what is missing from $WHEELS"
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" $NEEDED 2>&1 | tail -2
-  "$PY" -c 'import fastapi' 2>/dev/null || "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
-    --break-system-packages $NEEDED 2>&1 | tail -2
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
-"$PY" -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/device.txt"
-echo "commit ${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"
+# shellcheck source=benchmarks/gpu_setup.sh
+source "$REPO/benchmarks/gpu_setup.sh"
+write_device_record
 
 phase_widths() {
   local ckpt=$WORK/ckpt-llama-8b

@@ -40,11 +40,16 @@ def run_staggered(directory, backend, device):
         return real_forward(query, key, value, kv_cache, meta, scale)
 
     backend.forward = observed
-    core = EngineCore(CONFIG, runner)
+    return staggered_tokens(EngineCore(CONFIG, runner), cfg.vocab_size), seen
+
+
+def staggered_tokens(core: EngineCore, vocab_size: int) -> dict[str, list[int]]:
+    """Requests of 5 and 9 prompt tokens; once the first has its first token, one of 40 arrives. Greedy
+    tokens per request."""
     generator = torch.Generator().manual_seed(5)
 
     def add(request_id, length):
-        prompt = tuple(torch.randint(3, cfg.vocab_size, (length,), generator=generator).tolist())
+        prompt = tuple(torch.randint(3, vocab_size, (length,), generator=generator).tolist())
         core.add_request(EngineRequest(request_id, prompt, GREEDY))
 
     add("a", 5)
@@ -55,7 +60,7 @@ def run_staggered(directory, backend, device):
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
         if "long" not in core.requests and len(tokens.get("a", ())) == 1:
             add("long", 40)
-    return tokens, seen
+    return tokens
 
 
 def test_mixed_steps_on_the_triton_backend_give_the_reference_tokens(kernel_device, tiny_llama):

@@ -12,12 +12,9 @@ import torch
 
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore
-from flare.engine.request import EngineRequest
-from flare.engine.sampling_params import SamplingParams
 from flare.errors import UsageError
+from test_engine_mixed_steps import staggered_tokens
 from tiny_checkpoints import write_tiny_checkpoint
-
-GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +72,7 @@ def run_engine(directory, device, prompt_graph_sizes, seen=None):
             return real_run(input_ids, positions, meta)
 
         runner.prompt_graphs.run = observed
-    core = EngineCore(config, runner)
-    generator = torch.Generator().manual_seed(5)
-
-    def add(request_id, length):
-        prompt = tuple(torch.randint(3, cfg.vocab_size, (length,), generator=generator).tolist())
-        core.add_request(EngineRequest(request_id, prompt, GREEDY))
-
-    add("a", 5)
-    add("b", 9)
-    tokens: dict[str, list[int]] = {}
-    while core.has_unfinished():
-        for output in core.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        if "long" not in core.requests and len(tokens.get("a", ())) == 1:
-            add("long", 40)
-    return tokens
+    return staggered_tokens(EngineCore(config, runner), cfg.vocab_size)
 
 
 @pytest.mark.parametrize("sizes", [(16, 32), (16,)])

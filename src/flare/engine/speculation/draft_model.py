@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flare.engine.attention import AttentionMetadata, allocate_kv_caches, leading_decodes
+from flare.engine.attention import allocate_kv_caches
 from flare.engine.batch_slots import BatchSlots, to_device
 from flare.engine.speculation.acceptance import uniforms
 from flare.engine.step import ScheduledRow, StepPlan
-from flare.engine.step_inputs import row_token_ids
+from flare.engine.step_inputs import flat_metadata, row_token_ids
 from flare.kernels.sampling_reference import RowParams
 
 PURPOSE_DRAFT = 3           # the draw of a draft token (the sampler's purposes are 0, 1 and 2)
@@ -165,12 +165,5 @@ def _flat(ids: np.ndarray, starts: np.ndarray, lens: np.ndarray, row_slots: list
     device = slots.page_tables.device
     ids_d, positions_d, token_slots, starts_d, seq_lens_d, row_slots_d = torch.split(
         to_device(np.concatenate(parts), device), [len(part) for part in parts])
-    width = int(-(-seq_lens.max() // page_size))
-    meta = AttentionMetadata(
-        query_start_loc=starts_d.to(torch.int32), seq_lens=seq_lens_d.to(torch.int32),
-        block_tables=slots.page_tables[:, :width].index_select(0, row_slots_d),
-        slot_mapping=slots.page_tables[token_slots, positions_d // page_size].to(torch.int64) * page_size
-        + positions_d % page_size,
-        max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), page_size=page_size,
-        num_decodes=leading_decodes(lens.tolist()))
+    meta = flat_metadata(slots, page_size, lens, seq_lens, starts_d, seq_lens_d, row_slots_d, token_slots, positions_d)
     return ids_d.clone(), positions_d, meta
