@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """The host side of an engine step, without a model: scheduling and the runner's input preparation.
 
-An EngineCore over the real ModelRunner whose model is a stand-in that returns zeros at once, so what
-is timed is the Python and torch work around the forward: `Scheduler.schedule()`, the runner's step
-(inputs into tensors, page tables, the static decode buffers, sampling of tiny logits, ids back to the
-host) and the core's update. B requests of C prompt tokens are prefilled (untimed), then every timed
-step decodes one token for each, greedy. Times are the thread's CPU time (`time.thread_time`), so
-other work sharing the machine's cores does not count; the wall time of the whole step is in the JSON. Runner modes: `graphs` (the static-buffer decode path that
-CUDA graphs replay; on a CPU it runs the stand-in eagerly on those buffers) and `flat` (the flattened
-path that prompt-carrying steps take).
+An EngineCore over the real ModelRunner whose model and sampler are stand-ins that return zeros at once
+(on a GPU both are device work), so what is timed is the Python and torch work around them:
+`Scheduler.schedule()`, the runner's step (inputs into tensors, page tables, the static decode buffers,
+ids back to the host) and the core's update. B requests of C prompt tokens are prefilled (untimed), then
+every timed step decodes one token for each, greedy. Times are the thread's CPU time
+(`time.thread_time`), so other work sharing the machine's cores does not count; the wall time of the
+whole step is in the JSON. Runner modes: `graphs` (the static-buffer decode path that CUDA graphs
+replay; on a CPU it runs the stand-in eagerly on those buffers) and `flat` (the flattened path that
+prompt-carrying steps take).
 
     python benchmarks/step_host.py --batches 1,16,64,256 --contexts 1000,4000 --output step_host.json
 """
@@ -67,7 +68,16 @@ def build_core(batch: int, context: int, steps: int, mode: str):
                           enable_prefix_caching=False)
     runner = ModelRunner(StandInModel(), model_config(), config, "cpu", seed=0, graphs=mode == "graphs",
                          capture=False)
+    runner.sampler.sample = stand_in_sample
     return EngineCore(config, runner, eos_token_ids=())
+
+
+def stand_in_sample(logits, slots, positions, allowed_bitmask=None):
+    """Token 0 for every row at once. On a GPU sampling is device work (inside the decode graph, or
+    kernels queued behind the forward); on a CPU its torch reference would be timed as host work."""
+    import torch
+
+    return torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
 
 
 class PhaseTimer:
