@@ -52,16 +52,19 @@ def test_a_model_on_the_reference_backend_cannot_be_captured(tiny_llama):
     assert check.sizes == () and check.note == "not captured: attention does not run the Triton backend"
 
 
-def run_engine(directory, device, prompt_graph_sizes, seen=None):
+def run_engine(directory, device, prompt_graph_sizes, seen=None, drafter=None):
     """Two requests, then a 40-token prompt prefilled in chunks of 16 beside their decodes; greedy tokens
-    per request. `seen` collects the token count of every step the prompt graphs ran."""
+    per request. `seen` collects the token count of every step the prompt graphs ran; with `drafter`,
+    decoding requests carry its drafts (up to 3)."""
     from flare.engine.attention_triton import TritonBackend
     from flare.engine.runner import ModelRunner
+    from flare.engine.speculation.settings import SpeculationSettings
     from flare.models import load_checkpoint
 
     config = EngineConfig(max_concurrency=4, page_size=16, num_pages=32, max_model_len=128, prefill_chunk=16,
                           max_num_batched_tokens=32, enable_prefix_caching=False, decode_graph_sizes=(1, 2, 4),
-                          prompt_graph_sizes=prompt_graph_sizes)
+                          prompt_graph_sizes=prompt_graph_sizes,
+                          speculation=SpeculationSettings(draft_tokens=3 if drafter else 0, adaptive=False))
     cfg, model = load_checkpoint(directory, torch.float32, device, TritonBackend())
     runner = ModelRunner(model, cfg, config, device, torch.float32, seed=0, graphs=bool(prompt_graph_sizes))
     if runner.prompt_graphs is not None and seen is not None:
@@ -72,7 +75,7 @@ def run_engine(directory, device, prompt_graph_sizes, seen=None):
             return real_run(input_ids, positions, meta)
 
         runner.prompt_graphs.run = observed
-    return staggered_tokens(EngineCore(config, runner), cfg.vocab_size)
+    return staggered_tokens(EngineCore(config, runner, drafter=drafter), cfg.vocab_size)
 
 
 @pytest.mark.parametrize("sizes", [(16, 32), (16,)])
@@ -85,6 +88,23 @@ def test_prompt_and_mixed_steps_through_the_prompt_graphs_keep_the_eager_tokens(
     if sizes == (16, 32):
         assert any(count > 16 for count in seen)                     # decodes beside a 16-token chunk
     # with (16,) alone, those steps ran eagerly beside the replays, and the tokens still agree
+
+
+class ConstantDrafter:
+    """Proposes the same tokens for every request: mostly wrong, so verification rejects most of them."""
+
+    def propose(self, request, max_tokens: int) -> tuple[int, ...]:
+        return (3, 4, 5)[:max_tokens]
+
+
+def test_steps_carrying_drafts_run_through_the_prompt_graphs_and_keep_the_tokens(kernel_device, tiny_llama):
+    expected = run_engine(tiny_llama, kernel_device, ())
+    plain: list[int] = []
+    run_engine(tiny_llama, kernel_device, (16, 32), plain)
+    drafted: list[int] = []
+    assert run_engine(tiny_llama, kernel_device, (16, 32), drafted, drafter=ConstantDrafter()) == expected
+    # Decode steps leave the decode graphs when they carry drafts: the prompt graphs replay those too.
+    assert len(drafted) > len(plain)
 
 
 def test_the_export_check_needs_a_gpu(tiny_llama):
