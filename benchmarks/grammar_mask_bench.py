@@ -3,7 +3,9 @@ a batch of constrained requests, at a tokenizer's full vocabulary.
 
 It walks each request's matcher through a valid reply token by token (the tokens the model would have
 sampled), timing every step's mask fill, then the accept of the token; also the one-time costs
-(vocabulary info, grammar compile). Prints a table, writes JSON.
+(vocabulary info, grammar compile), and how long building the vocabulary info keeps other Python threads
+from running (the engine core builds it on a thread beside its loop: a probe thread that sleeps 1 ms in
+a loop records the time it was kept waiting). Prints a table, writes JSON.
 
     python benchmarks/grammar_mask_bench.py TOKENIZER_DIR [--batches 1,16] [--output mask.json]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 
 SCHEMA = {
@@ -48,8 +51,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
+    probe = GilProbe()
     started = time.perf_counter()
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    with probe:
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
     info_s = time.perf_counter() - started
     compiler = xgrammar.GrammarCompiler(info)
     started = time.perf_counter()
@@ -60,8 +65,11 @@ def main() -> None:
     cached_s = time.perf_counter() - started
     tokens = tokenizer.encode(json.dumps(REPLY), add_special_tokens=False)
     results = {"vocab_size": len(tokenizer), "tokenizer": args.tokenizer_dir, "reply_tokens": len(tokens),
-               "tokenizer_info_s": info_s, "compile_s": compile_s, "compile_cached_s": cached_s, "batches": []}
-    print(f"vocabulary {len(tokenizer):,} tokens; TokenizerInfo {info_s * 1e3:.0f} ms; schema compile "
+               "tokenizer_info_s": info_s, "tokenizer_info_other_threads_held_s": probe.held_s,
+               "tokenizer_info_other_threads_longest_hold_s": probe.longest_s,
+               "compile_s": compile_s, "compile_cached_s": cached_s, "batches": []}
+    print(f"vocabulary {len(tokenizer):,} tokens; TokenizerInfo {info_s * 1e3:.0f} ms (other threads kept "
+          f"waiting {probe.held_s * 1e3:.0f} ms, at most {probe.longest_s * 1e3:.0f} ms at once); schema compile "
           f"{compile_s * 1e3:.1f} ms (cached {cached_s * 1e6:.0f} us); reply {len(tokens)} tokens")
     print(f"{'batch':>6} {'fill median':>12} {'fill p90':>10} {'fill max':>10} {'accept/req':>11} {'per req':>9}")
     for batch in (int(b) for b in args.batches.split(",")):
@@ -73,6 +81,34 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as out:
             json.dump(results, out, indent=1)
+
+
+class GilProbe:
+    """While active, a thread sleeps 1 ms in a loop; the time beyond 5 ms a wake-up took is time the code
+    under test kept other Python threads (the engine core's loop) from running."""
+
+    def __init__(self) -> None:
+        self.held_s = self.longest_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GilProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            if now - last > 0.005:
+                self.held_s += now - last
+                self.longest_s = max(self.longest_s, now - last)
+            last = now
 
 
 def _walk(xgrammar, compiled, tokens: list[int], batch: int, vocab_size: int) -> dict:

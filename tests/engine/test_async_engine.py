@@ -13,7 +13,7 @@ from flare.engine.config import EngineConfig
 from flare.engine.core import InvalidRequest
 from flare.engine.factory import ModelFactory, load_checkpoint_model
 from flare.engine_client.llm_engine import LLMEngine
-from flare.engine.sampling_params import SamplingParams
+from flare.engine.sampling_params import GrammarSpec, SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
 
 CONFIG = EngineConfig(page_size=8, num_pages=64, max_model_len=256, prefill_chunk=8, max_num_batched_tokens=32)
@@ -88,6 +88,23 @@ def test_invalid_prompts_are_refused_before_reaching_the_core(async_engine):
 
     with pytest.raises(InvalidRequest, match="shorten the prompt"):
         asyncio.run(too_long())
+
+
+def test_grammars_compile_in_the_core_process_and_a_failed_one_is_refused(async_engine, tokenizer):
+    """The core compiles grammars off its loop: a bad one is refused (InvalidRequest, a 400 in the server)
+    after the core took it in, a good one constrains its reply, and a free request beside them is served."""
+    ids = tokenizer.encode("Lily")
+    bad = SamplingParams(max_tokens=10, grammar=GrammarSpec("regex", "("))
+    choice = SamplingParams(max_tokens=10, temperature=0, grammar=GrammarSpec("regex", "(yes|no)!"))
+
+    async def together():
+        return await asyncio.gather(collect(async_engine, "bad", ids, bad), collect(async_engine, "choice", ids, choice),
+                                    collect(async_engine, "free", ids, PARAMS[0]), return_exceptions=True)
+
+    refused, constrained, free = asyncio.run(together())
+    assert isinstance(refused, InvalidRequest) and "regex grammar cannot be compiled" in str(refused)
+    assert "".join(p.new_text for p in constrained) in ("yes!", "no!") and constrained[-1].finish_reason == "stop"
+    assert free[-1].finished and len([t for p in free for t in p.new_token_ids]) == 30
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> bool:

@@ -6,16 +6,17 @@ from __future__ import annotations
 import gc
 import json
 import re
+import threading
 
 import pytest
 import torch
 
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineCore, InvalidRequest
-from flare.engine.factory import load_checkpoint_model
+from flare.engine.factory import build_core, load_checkpoint_model
 from flare.engine.runner import ModelRunner
-from flare.engine.structured_output import StructuredOutputs
-from flare.engine_client.llm_engine import LLMEngine
+from flare.engine.structured_output import StructuredOutputs, compile_spec
+from flare.engine_client.llm_engine import LLMEngine, merge_outputs
 from flare.engine.request import EngineRequest
 from flare.engine.sampling_params import GrammarSpec, SamplingParams
 from flare.frontend.tokenizer import load_tokenizer
@@ -114,3 +115,127 @@ def test_masked_rows_in_captured_graphs_give_the_eager_runner_s_tokens(tmp_path,
     assert re.fullmatch("(yes|no)!", outputs[2].new_text)
     if outputs[0].finish_reason == "stop":
         assert set(json.loads(outputs[0].new_text)) == {"name", "age"}
+
+
+# ---- grammars compile off the core's loop ----------------------------------------------------------------
+
+class HeldCompile:
+    """A compiler seam that holds every compile until released: a schema that takes its time."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, compiler, spec):
+        self.started.set()
+        assert self.release.wait(60), "the test never released the compile"
+        return compile_spec(compiler, spec)
+
+
+def _held_engine(directory, compile_grammar, load=None) -> LLMEngine:
+    """stories260k with grammars compiled through `compile_grammar`, its vocabulary read by `load`."""
+    config = EngineConfig(max_concurrency=4, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=64,
+                          max_num_batched_tokens=128)
+    tokenizer = load_tokenizer(directory)
+    loaded = load_checkpoint_model(directory, config, "cpu", "float32", tokenizer.eos_token_ids)
+    runner = ModelRunner(loaded.model, loaded.model_config, config, "cpu", torch.float32, seed=0, graphs=False)
+    masker = StructuredOutputs(load or (lambda: tokenizer.hf), runner.vocab_size, loaded.eos_token_ids,
+                               compile_grammar=compile_grammar)
+    return LLMEngine(EngineCore(config, runner, loaded.eos_token_ids, token_masker=masker), tokenizer)
+
+
+def _step_until(engine: LLMEngine, done, outputs: dict, limit: int = 400) -> None:
+    for _ in range(limit):
+        if done():
+            return
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    raise AssertionError(f"not done after {limit} steps: {outputs.keys()}")
+
+
+def _finished(outputs: dict, request_id: str) -> bool:
+    return bool(outputs.get(request_id)) and outputs[request_id][-1].finished
+
+
+FREE = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+JSON = SamplingParams(max_tokens=80, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+
+
+def test_a_slow_compile_does_not_hold_up_free_requests(stories260k):
+    held = HeldCompile()
+    engine = _held_engine(stories260k, held)
+    alone = engine.generate(["Once upon a time"], FREE)[0]
+    engine.add_request("constrained", "Once upon a time", JSON, wait_for_grammar=False)
+    engine.add_request("free", "Once upon a time", FREE)
+    assert held.started.wait(30)
+    outputs: dict = {}
+    try:
+        _step_until(engine, lambda: _finished(outputs, "free"), outputs)
+        assert "constrained" not in outputs and not held.release.is_set()   # the compile still holds
+        assert engine.core.stats().num_waiting == 1 and engine.has_unfinished()
+    finally:
+        held.release.set()
+    free = merge_outputs(outputs["free"])
+    assert free.new_token_ids == alone.new_token_ids and free.finish_reason == "length"
+    _step_until(engine, lambda: _finished(outputs, "constrained"), outputs)
+    value = json.loads(merge_outputs(outputs["constrained"]).new_text)
+    assert set(value) == {"name", "age"}
+    engine.check_integrity()
+
+
+def test_a_grammar_that_fails_off_the_loop_is_refused_and_the_rest_go_on(stories260k):
+    engine = _held_engine(stories260k, compile_spec)
+    bad = SamplingParams(max_tokens=10, grammar=GrammarSpec("regex", "("))
+    engine.add_request("bad", "Lily", bad, wait_for_grammar=False)
+    engine.add_request("free", "Lily", FREE)
+    outputs: dict = {}
+    _step_until(engine, lambda: not engine.has_unfinished(), outputs)      # waiting grammars count as unfinished
+    refused = engine.take_refused()
+    assert [r.request_id for r in refused] == ["bad"] and "regex grammar cannot be compiled" in refused[0].reason
+    assert _finished(outputs, "free") and "bad" not in outputs and "bad" not in engine.core.requests
+    engine.add_request("bad", "Lily", SamplingParams(max_tokens=5))     # its id is free again
+    engine.check_integrity()
+
+
+def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(stories260k):
+    held = HeldCompile()
+    engine = _held_engine(stories260k, held)
+    engine.add_request("constrained", "Once upon a time", JSON, wait_for_grammar=False)
+    assert held.started.wait(30)
+    engine.abort("constrained")
+    assert not engine.has_unfinished() and engine.core.stats().num_waiting == 0
+    held.release.set()
+    engine.add_request("free", "Lily", FREE)
+    outputs: dict = {}
+    _step_until(engine, lambda: _finished(outputs, "free"), outputs)
+    assert set(outputs) == {"free"} and engine.take_refused() == []
+    gc.collect()
+    assert len(engine.core.token_masker) == 0            # no matcher was made for the cancelled request
+    engine.check_integrity()
+
+
+def test_the_vocabulary_is_read_at_engine_start_without_holding_it(stories260k):
+    """build_core starts reading the vocabulary and returns (the served core reports Ready) while it is
+    still being read; free requests decode meanwhile and a constrained one waits for it, unscheduled."""
+    tokenizer = load_tokenizer(stories260k)
+    reading, release = threading.Event(), threading.Event()
+
+    def slow_tokenizer():
+        reading.set()
+        assert release.wait(60), "the test never released the vocabulary"
+        return tokenizer.hf
+
+    config = EngineConfig(max_concurrency=4, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=64,
+                          max_num_batched_tokens=128)
+    loaded = load_checkpoint_model(stories260k, config, "cpu", "float32", tokenizer.eos_token_ids)
+    engine = LLMEngine(build_core(loaded, seed=0, load_tokenizer=slow_tokenizer), tokenizer)
+    assert reading.wait(30)                  # started by build_core, before any request asked for it
+    engine.add_request("constrained", "Lily", JSON, wait_for_grammar=False)
+    engine.add_request("free", "Lily", FREE)
+    outputs: dict = {}
+    try:
+        _step_until(engine, lambda: _finished(outputs, "free"), outputs)
+        assert "constrained" not in outputs
+    finally:
+        release.set()
+    _step_until(engine, lambda: _finished(outputs, "constrained"), outputs)
+    assert set(json.loads(merge_outputs(outputs["constrained"]).new_text)) == {"name", "age"}

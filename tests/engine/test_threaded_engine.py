@@ -9,7 +9,7 @@ import pytest
 
 from flare.engine.config import EngineConfig
 from flare.engine.core import EngineStats, InvalidRequest
-from flare.engine.sampling_params import SamplingParams
+from flare.engine.sampling_params import GrammarSpec, SamplingParams
 from flare.engine_client.llm_engine import LLMEngine
 from flare.engine_client.protocol import EngineClient, EngineDeadError
 from flare.engine_client.threaded import ThreadedEngine
@@ -53,6 +53,19 @@ def test_streams_equal_the_synchronous_engine_and_stats_are_engine_stats(threade
         time.sleep(0.01)
     stats = threaded.stats()
     assert (stats.num_running, stats.kv_pages_used, stats.page_integrity) == (0, 0, "ok")
+
+
+def test_a_grammar_that_fails_to_compile_is_refused_while_the_thread_steps_on(threaded):
+    bad = SamplingParams(max_tokens=10, grammar=GrammarSpec("regex", "("))
+
+    async def together():
+        return await asyncio.gather(collect(threaded, "bad", [1, 2, 3], bad),
+                                    collect(threaded, "free", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)),
+                                    return_exceptions=True)
+
+    refused, free = asyncio.run(together())
+    assert isinstance(refused, InvalidRequest) and "regex grammar cannot be compiled" in str(refused)
+    assert free[-1].finish_reason == "length"
 
 
 def test_refusals_and_shutdown_are_typed(threaded):

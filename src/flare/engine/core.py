@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -35,14 +36,23 @@ class InvalidRequest(ValueError):
     """A request the engine cannot take as given; the message says what to change."""
 
 
+# While nothing runs but grammars compile, a step waits at most this long for one to finish, so the loop
+# still takes its commands (a new request, an abort) between waits and does not spin meanwhile.
+GRAMMAR_WAIT_S = 0.005
+
+
 class TokenMasker(Protocol):
     """Grammar-constrained decoding plugs in here: the tokens a request may sample next
     (`flare.engine.structured_output.StructuredOutputs`)."""
 
     def constrains(self, request: Request) -> bool: ...
 
-    def admit(self, request: Request) -> None:
-        """Prepare a new constrained request; raises ValueError (with the reason) for one it cannot constrain."""
+    def compile(self, request: Request) -> Future:
+        """Start preparing a new request's grammar off the core's thread; the future's result is for
+        `admit`, or a ValueError (with the reason) for a grammar it cannot constrain the request with."""
+
+    def admit(self, request: Request, compiled: Any) -> None:
+        """Take a constrained request whose grammar `compile` prepared."""
 
     def next_token_masks(self, requests: Sequence[Request], unread: Sequence[tuple[int, ...]]) -> np.ndarray:
         """int32 [len(requests), ceil(V / 32)] (step.ScheduledRow.token_mask): row i for the token after
@@ -62,7 +72,7 @@ class EngineStats:
     """The core's numbers after its latest step. Counters only grow; gauges are the state now."""
 
     num_running: int                        # gauge
-    num_waiting: int                        # gauge
+    num_waiting: int                        # gauge: queued, and waiting for their grammars to compile
     kv_pages_used: int                      # gauge: pages requests hold (resident cache pages nobody uses excluded)
     kv_pages_total: int
     num_preemptions: int                    # counter
@@ -84,6 +94,14 @@ class EngineStats:
     draft_tokens_accepted: int = 0
     draft_tokens_proposed_by_position: tuple[int, ...] = ()
     draft_tokens_accepted_by_position: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RefusedRequest:
+    """A request the core took in, then refused while preparing it (its grammar failed to compile)."""
+
+    request_id: str
+    reason: str                                 # what to change, as InvalidRequest's message
 
 
 @dataclass
@@ -134,55 +152,99 @@ class EngineCore:
                                         config.decode_graph_sizes)
         self.allocator = PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}       # scheduled, until they finish
+        self._compiling: dict[str, tuple[Request, Future]] = {}   # waiting, unscheduled, for their grammar
+        self._refused: list[RefusedRequest] = []
         self._arrivals = itertools.count()
         self._num_computed_tokens = 0
         self._in_flight: _Launched | None = None
 
-    def add_request(self, engine_request: EngineRequest) -> None:
-        """Queue a request from an in-process caller; InvalidRequest for a prompt the engine cannot serve."""
+    def add_request(self, engine_request: EngineRequest, wait_for_grammar: bool = True) -> None:
+        """Queue a request from an in-process caller; InvalidRequest for a prompt the engine cannot serve.
+        A constrained request's grammar is compiled before this returns (InvalidRequest if it cannot be),
+        or, with `wait_for_grammar=False`, while the core steps on (see `add_validated_request`)."""
         self._check_unused_id(engine_request.request_id)
         validate_prompt(engine_request.prompt_token_ids, self.config.max_model_len, self.runner.vocab_size)
-        self._queue(engine_request)
+        self._queue(engine_request, wait_for_grammar)
 
     def add_validated_request(self, engine_request: EngineRequest) -> None:
         """Queue a request whose prompt `validate_prompt` already accepted against this engine's limits.
 
         The engine-core process takes requests this way: the AsyncEngine that sends them validated them
-        where they entered, so the prompt is not scanned again."""
+        where they entered, so the prompt is not scanned again. A constrained request waits, unscheduled,
+        while its grammar compiles on a worker thread, and the other requests step on meanwhile; a grammar
+        that fails comes back from `take_refused`."""
         self._check_unused_id(engine_request.request_id)
-        self._queue(engine_request)
+        self._queue(engine_request, wait_for_grammar=False)
 
-    def _queue(self, engine_request: EngineRequest) -> None:
+    def take_refused(self) -> list[RefusedRequest]:
+        """The requests refused since the last call (their grammars failed to compile)."""
+        refused, self._refused = self._refused, []
+        return refused
+
+    def _queue(self, engine_request: EngineRequest, wait_for_grammar: bool) -> None:
         request = Request(engine_request, next(self._arrivals))
-        if request.params.grammar is not None:
-            self._admit_constrained(request)
-        self.requests[request.request_id] = request
-        self.scheduler.add(request)
-
-    def _admit_constrained(self, request: Request) -> None:
+        if request.params.grammar is None:
+            self._schedule(request)
+            return
         if self.token_masker is None:
             raise InvalidRequest("this engine has no vocabulary for constrained decoding (it was built "
                                  "without a tokenizer); send the request without a grammar")
+        compiling = self.token_masker.compile(request)
+        if wait_for_grammar:
+            self._admit_compiled(request, compiling)
+        else:
+            self._compiling[request.request_id] = (request, compiling)
+
+    def _schedule(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def _admit_compiled(self, request: Request, compiling: Future) -> None:
+        """Schedule a constrained request whose grammar is compiled; InvalidRequest if it failed."""
         try:
-            self.token_masker.admit(request)
+            compiled = compiling.result()
         except ValueError as error:
             raise InvalidRequest(str(error)) from None
+        self.token_masker.admit(request, compiled)
+        self._schedule(request)
+
+    def _admit_ready_grammars(self) -> None:
+        """Schedule the requests whose grammars compiled since, refuse those whose grammars failed. With
+        nothing else to do, wait a little for one (GRAMMAR_WAIT_S) rather than return at once."""
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            wait([future for _, future in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        for request_id, (request, compiling) in list(self._compiling.items()):
+            if compiling.done():
+                del self._compiling[request_id]
+                try:
+                    self._admit_compiled(request, compiling)
+                except InvalidRequest as error:
+                    self._refused.append(RefusedRequest(request_id, str(error)))
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Drop requests (unknown or finished ids are ignored) and free their pages at once."""
+        """Drop requests (unknown or finished ids are ignored) and free their pages at once. A request
+        still waiting for its grammar is forgotten (its compile skipped, or its result dropped)."""
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
             if request is not None:
                 request.finish_reason = "abort"
                 self.scheduler.finish(request)
+            elif request_id in self._compiling:
+                request, compiling = self._compiling.pop(request_id)
+                request.finish_reason = "abort"
+                compiling.cancel()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests scheduled or waiting for their grammars."""
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def step(self) -> list[CoreOutput]:
         """Launch the next step, then return the news of every request that got a token: from the step
-        launched before it (one step ahead), or from this one when it cannot run ahead."""
+        launched before it (one step ahead), or from this one when it cannot run ahead. Requests whose
+        grammars compiled are scheduled first (those that failed go to `take_refused`)."""
+        if self._compiling:
+            self._admit_ready_grammars()
         previous, self._in_flight = self._in_flight, None
         launched = self._launch(previous) if self.scheduler.has_unfinished() else None
         outputs = self._receive(previous) if previous is not None else []
@@ -213,7 +275,8 @@ class EngineCore:
     def stats(self, check_integrity: bool = False) -> EngineStats:
         """The numbers now; with `check_integrity`, also the page integrity check's result (never raises)."""
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
             kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_pages,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
@@ -235,7 +298,7 @@ class EngineCore:
     # ---- internals -------------------------------------------------------------------------------
 
     def _check_unused_id(self, request_id: str) -> None:
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._compiling:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
 
     def _launch(self, previous: _Launched | None) -> _Launched | None:

@@ -94,7 +94,10 @@ def _serve(core, commands, send, parent: int) -> None:
             check_due = False
             continue
         produced = core.step() if core.has_unfinished() else []
-        if produced or changed:
+        refused = core.take_refused()                # grammars that failed to compile during the step
+        for request in refused:
+            send(RequestRefused(request.request_id, request.reason))
+        if produced or changed or refused:
             send(Outputs(produced, core.stats()))
             check_due = check_due or not core.has_unfinished()
 

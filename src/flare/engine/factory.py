@@ -182,7 +182,8 @@ def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Cal
     """The EngineCore that runs `loaded`; on CUDA its layers are compiled and its decode steps captured.
 
     Constrained decoding compiles grammars against the tokenizer `load_tokenizer` returns (a Hugging Face
-    tokenizer; default: the one in `loaded.tokenizer_dir`), called at the first constrained request."""
+    tokenizer; default: the one in `loaded.tokenizer_dir`), read on a thread of its own from here on (neither
+    the start nor the first constrained request waits for it)."""
     import torch
 
     from flare.engine.core import EngineCore
@@ -202,6 +203,8 @@ def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Cal
         load_tokenizer = partial(_hf_tokenizer, loaded.tokenizer_dir)
     structured = (StructuredOutputs(load_tokenizer, runner.vocab_size, loaded.eos_token_ids)
                   if load_tokenizer is not None else None)
+    if structured is not None:
+        structured.load_vocabulary()
     return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids, token_masker=structured)
 
 

@@ -6,8 +6,12 @@ frontend validates a request's `GrammarSpec` where it enters (`flare.frontend.gr
 what failed), and the core compiles it against the model's vocabulary with xgrammar (compiled grammars
 cached per spec by the compiler) and advances the matcher with every token the request samples.
 
-`StructuredOutputs` is the core's `TokenMasker` (`flare.engine.core`): the core admits each constrained
-request through it (a grammar that cannot be compiled is an InvalidRequest), and for the constrained
+`StructuredOutputs` is the core's `TokenMasker` (`flare.engine.core`). Compiling happens off the core's
+loop: `compile` hands the request's grammar to a worker thread (xgrammar releases the GIL while it
+compiles, and one GrammarCompiler serves several threads: its cache is thread-safe; xgrammar's docs,
+"Multi-threaded Compilation" and "Engine Integration"), the request waits unscheduled meanwhile, and
+once the future is done the core `admit`s it with its matcher (a grammar that cannot be compiled is an
+InvalidRequest, the same 400 whenever it is found). For the constrained
 rows of a step that sample asks `next_token_masks`, which first lets each matcher accept the tokens its
 request received since (and the ids of the step in flight the core has not read in yet), then fills
 the bitmasks (int32 `[ceil(V/32)]` each, bit set = allowed) on xgrammar's threads, all rows at once.
@@ -16,8 +20,10 @@ bias, in the captured decode graph too (raw logprobs stay those of the model). A
 has terminated (it accepted a stop token and goes on only with `ignore_eos`) is no longer masked.
 Preemption keeps the matcher: output tokens survive it.
 
-Vocabulary: xgrammar's `TokenizerInfo` is built once, when the first constrained request arrives, from
-the Hugging Face tokenizer the core is given a loader for, padded to the model's vocabulary (ids the
+Vocabulary: xgrammar's `TokenizerInfo` is built once, on a thread of its own that `load_vocabulary`
+starts when the engine starts (`build_core`; seconds for a 128K vocabulary, which neither the start nor
+the first constrained request should wait for; a compile that comes first waits for it on its worker),
+from the Hugging Face tokenizer the core is given a loader for, padded to the model's vocabulary (ids the
 tokenizer lacks are never allowed). Stop tokens are the engine's EOS ids, so a finished grammar lets
 exactly those through.
 
@@ -29,9 +35,12 @@ drafts in turn, and `rollback` of the rejected ones after verification.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +60,11 @@ def json_whitespace() -> dict:
     return {"any_whitespace": False}
 
 
+# Grammars compiled at once, each on its own thread (xgrammar's compiler adds its own threads per grammar):
+# a slow schema does not hold up a quick one behind it, and a burst of new schemas does not take every core.
+COMPILE_THREADS = 2
+
+
 class GrammarRefused(ValueError):
     """A grammar the engine cannot compile against this model's vocabulary (the message says why)."""
 
@@ -58,6 +72,9 @@ class GrammarRefused(ValueError):
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per mask row: one bit per token id."""
     return -(-vocab_size // 32)
+
+
+GrammarCompile = Callable[[Any, GrammarSpec], Any]     # (xgrammar.GrammarCompiler, spec) -> CompiledGrammar
 
 
 def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
@@ -85,19 +102,24 @@ class _Matching:
 class StructuredOutputs:
     """The core's grammar matchers (`EngineCore`'s TokenMasker), one per constrained request.
 
-    A matcher is made when its request is admitted (`admit`: GrammarRefused if the grammar cannot be
-    compiled) and dropped with the request (held weakly by the request object). It catches up with
-    the request's output tokens when the next mask is asked for, so the core need not report each token.
+    `compile` starts a request's grammar compiling on a worker thread; when its future is done the core
+    `admit`s the request with the result (a matcher is made), or refuses it (the future's GrammarRefused).
+    A matcher is dropped with its request (held weakly by the request object). It catches up with the
+    request's output tokens when the next mask is asked for, so the core need not report each token.
 
-    `load_tokenizer` returns the Hugging Face tokenizer whose ids the model speaks; it is called once,
-    at the first constrained request (importing xgrammar and reading the vocabulary take seconds that
-    an engine serving no constrained request never pays)."""
+    `load_tokenizer` returns the Hugging Face tokenizer whose ids the model speaks; it is called once, on
+    the vocabulary's thread (`load_vocabulary`, or the first `compile`). `compile_grammar` compiles a spec
+    with the compiler (default `compile_spec`; tests put a slow one here). Worker threads are daemons:
+    a core that stops does not wait for a compile nobody needs any more."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
+                 compile_grammar: GrammarCompile = compile_spec) -> None:
         self._load_tokenizer = load_tokenizer
+        self._compile_grammar = compile_grammar
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
-        self._compiler = None
+        self._compiler: Future | None = None     # xgrammar.GrammarCompiler, once the vocabulary is read
+        self._compile_slots = threading.BoundedSemaphore(COMPILE_THREADS)
         self._batch = None                 # xgrammar.BatchGrammarMatcher: fills a step's masks on its threads
         self._matching: weakref.WeakKeyDictionary[Request, _Matching] = weakref.WeakKeyDictionary()
 
@@ -108,16 +130,23 @@ class StructuredOutputs:
     def constrains(self, request: Request) -> bool:
         return request.params.grammar is not None
 
-    def admit(self, request: Request) -> None:
-        """A matcher for a new constrained request; GrammarRefused if its grammar cannot be compiled."""
+    def load_vocabulary(self) -> Future:
+        """Start reading the vocabulary into xgrammar's TokenizerInfo on a thread of its own (once); the
+        future's result is the GrammarCompiler, or GrammarRefused if the tokenizer cannot be read."""
+        if self._compiler is None:
+            self._compiler = _on_daemon_thread("flare-grammar-vocabulary", self._make_compiler)
+        return self._compiler
+
+    def compile(self, request: Request) -> Future:
+        """Compile the request's grammar on a worker thread; the future's result is what `admit` takes,
+        or GrammarRefused with the reason. Cancelling the future before its turn skips the compile."""
+        return _on_daemon_thread("flare-grammar-compile", self._compile, self.load_vocabulary(),
+                                 request.params.grammar, slots=self._compile_slots)
+
+    def admit(self, request: Request, compiled: Any) -> None:
+        """Give a constrained request its matcher, from its compiled grammar (`compile`'s result)."""
         import xgrammar
 
-        spec = request.params.grammar
-        compiler = self._compiler_for_vocabulary()
-        try:
-            compiled = compile_spec(compiler, spec)
-        except RuntimeError as error:                  # xgrammar reports a bad grammar this way
-            raise GrammarRefused(f"the {spec.kind} grammar cannot be compiled: {error}") from None
         self._matching[request] = _Matching(xgrammar.GrammarMatcher(compiled))
 
     def next_token_masks(self, requests: Sequence[Request], unread: Sequence[Sequence[int]]) -> np.ndarray:
@@ -176,15 +205,38 @@ class StructuredOutputs:
             mask[token_id // 32] |= np.uint32(1 << (token_id % 32))
         return mask.view(np.int32)
 
-    def _compiler_for_vocabulary(self):
-        if self._compiler is None:
-            import xgrammar
+    def _make_compiler(self):
+        import xgrammar
 
+        try:
+            info = xgrammar.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                           stop_token_ids=list(self.stop_token_ids) or None)
+        except Exception as error:                 # missing or unreadable tokenizer files
+            raise GrammarRefused(f"the engine cannot read the model's vocabulary for constrained decoding: "
+                                 f"{type(error).__name__}: {error}") from None
+        return xgrammar.GrammarCompiler(info)
+
+    def _compile(self, compiler: Future, spec: GrammarSpec) -> Any:
+        try:
+            return self._compile_grammar(compiler.result(), spec)
+        except RuntimeError as error:                  # xgrammar reports a bad grammar this way
+            raise GrammarRefused(f"the {spec.kind} grammar cannot be compiled: {error}") from None
+
+
+def _on_daemon_thread(name: str, function: Callable, *args: Any, slots: threading.Semaphore | None = None) -> Future:
+    """Run `function(*args)` on a new daemon thread (holding one of `slots` while it runs, if given);
+    its outcome lands in the returned future. Cancelled before it started, it does not run."""
+    future: Future = Future()
+
+    def run() -> None:
+        with slots if slots is not None else contextlib.nullcontext():
+            if not future.set_running_or_notify_cancel():
+                return
             try:
-                info = xgrammar.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                               stop_token_ids=list(self.stop_token_ids) or None)
-            except Exception as error:                 # missing or unreadable tokenizer files
-                raise GrammarRefused(f"the engine cannot read the model's vocabulary for constrained decoding: "
-                                     f"{type(error).__name__}: {error}") from None
-            self._compiler = xgrammar.GrammarCompiler(info)
-        return self._compiler
+                future.set_result(function(*args))
+            except BaseException as error:             # the waiting side decides what it means
+                future.set_exception(error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flare.engine.config import EngineConfig
-from flare.engine.core import EngineCore
+from flare.engine.core import EngineCore, RefusedRequest
 from flare.engine.outputs import RequestOutput
 from flare.engine.request import EngineRequest
 from flare.engine.sampling_params import SamplingParams
@@ -48,12 +48,22 @@ class LLMEngine:
         loaded = LoadedModel(model_config, model, eos, engine_config, device, dtype)
         return cls(build_core(loaded, seed, lambda: tokenizer.hf), tokenizer)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; a text prompt is tokenized with the tokenizer's special tokens (e.g. BOS)."""
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    wait_for_grammar: bool = True) -> None:
+        """Queue a request; a text prompt is tokenized with the tokenizer's special tokens (e.g. BOS). A
+        grammar is compiled before this returns, or with `wait_for_grammar=False` while the engine steps
+        on (a grammar that fails then comes back from `take_refused`)."""
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.core.add_request(EngineRequest(request_id, tuple(prompt_ids), params))
+        self.core.add_request(EngineRequest(request_id, tuple(prompt_ids), params), wait_for_grammar)
         self.output_processor.add_request(request_id, prompt_ids, params)
+
+    def take_refused(self) -> list[RefusedRequest]:
+        """The requests refused since the last call (grammars that failed to compile), forgotten here."""
+        refused = self.core.take_refused()
+        for request in refused:
+            self.output_processor.abort(request.request_id)
+        return refused
 
     def abort(self, request_id: str) -> None:
         self.core.abort([request_id])

@@ -117,8 +117,9 @@ class ThreadedEngine:
     def _apply(self, command: Any) -> None:
         if isinstance(command, AddRequest):
             request = command.request
-            try:
-                self.engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+            try:     # a grammar compiles while the engine steps on; a refusal comes after a step
+                self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                        wait_for_grammar=False)
             except Exception as error:
                 self._deliver(request.request_id, error)
         elif isinstance(command, AbortRequests):
@@ -135,6 +136,8 @@ class ThreadedEngine:
             return
         for output in outputs:
             self._deliver(output.request_id, output)
+        for refused in self.engine.take_refused():
+            self._deliver(refused.request_id, InvalidRequest(refused.reason))
 
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)
