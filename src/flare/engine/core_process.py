@@ -23,9 +23,11 @@ IDLE_CHECK_DELAY_MS = 100   # quiet time after going idle before the page integr
 
 
 def run_engine_core(factory, seed: int | None, command_address: str, event_address: str,
-                    profile_dir: str | None = None) -> None:
+                    profile_dir: str | None = None, core_builder=None) -> None:
     """Entry point of the engine-core process (multiprocessing, spawn). `profile_dir`: `flare run
-    --profile-startup DIR`, where a cProfile of building the core is written."""
+    --profile-startup DIR`, where a cProfile of building the core is written. `core_builder`: a picklable
+    `(LoadedModel, seed) -> EngineCore` in place of `flare.engine.factory.build_core` (benchmarks and tests
+    that run the serving path around a stand-in runner)."""
     import zmq
 
     for ignored in (signal.SIGINT, signal.SIGTERM):     # the frontend decides when to stop
@@ -39,7 +41,7 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
     events.connect(event_address)
     send = lambda message: events.send(messages.encode(message))
     try:
-        core = _build(factory, seed, send, profile_dir)
+        core = _build(factory, seed, send, profile_dir, core_builder)
         send(Ready(core.config, core.runner.vocab_size, tuple(sorted(core.eos_token_ids)), core.stats()))
         _serve(core, commands, send, parent)
     except Exception as error:
@@ -50,7 +52,7 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
         context.term()
 
 
-def _build(factory, seed, send, profile_dir: str | None = None):
+def _build(factory, seed, send, profile_dir: str | None = None, core_builder=None):
     """The core; with a `profile_dir`, a cProfile of building it lands there (a diagnostic for slow
     starts: loading, compiling and capturing all happen here)."""
     from flare.engine.factory import build_core
@@ -58,7 +60,7 @@ def _build(factory, seed, send, profile_dir: str | None = None):
     def build():
         loaded = factory(send)
         send(messages.ModelBuilt())
-        return build_core(loaded, seed)
+        return (core_builder or build_core)(loaded, seed)
 
     if not profile_dir:
         return build()

@@ -53,9 +53,12 @@ class CoreConnection:
         self.ready: Ready | None = None
 
     @classmethod
-    def spawn(cls, factory, seed: int | None = None, profile_dir: str | None = None) -> CoreConnection:
+    def spawn(cls, factory, seed: int | None = None, profile_dir: str | None = None,
+              core_builder=None) -> CoreConnection:
         """Start the engine-core process; it builds its model from `factory` (a picklable ModelFactory),
-        under cProfile into `profile_dir` when one is given (`flare run --profile-startup`)."""
+        under cProfile into `profile_dir` when one is given (`flare run --profile-startup`), and its core
+        with `core_builder` (picklable, `(LoadedModel, seed) -> EngineCore`; default
+        `flare.engine.factory.build_core`: benchmarks put a stand-in runner there)."""
         import zmq
 
         socket_dir = Path(tempfile.mkdtemp(prefix="flare-engine-"))
@@ -66,7 +69,8 @@ class CoreConnection:
         events.bind(f"ipc://{socket_dir}/events")
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="flare-engine-core", daemon=True,
-            args=(factory, seed, f"ipc://{socket_dir}/commands", f"ipc://{socket_dir}/events", profile_dir))
+            args=(factory, seed, f"ipc://{socket_dir}/commands", f"ipc://{socket_dir}/events", profile_dir,
+                  core_builder))
         process.start()
         return cls(process, context, commands, events, socket_dir)
 
