@@ -182,6 +182,9 @@ class AsyncEngine:
         self._fail_all(EngineDeadError(self._dead))
 
     def _deliver(self, core_outputs) -> None:
+        """One step's outputs to their streams: one wake-up per event loop for the whole step (waking a
+        loop from this thread costs a system call), however many requests got a token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
             outputs, stopped = self._output_processor.process(core_outputs)
             for output in outputs:
@@ -189,7 +192,9 @@ class AsyncEngine:
                 if output.finished:
                     self._streams.pop(output.request_id, None)
                 if stream is not None:
-                    _put(stream, output)
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            _call_in(loop, _put_all, items)
         if stopped:
             self._send_abort(tuple(stopped))
 
@@ -213,8 +218,18 @@ class AsyncEngine:
 
 
 def _put(stream: _Stream, item) -> None:
-    """Hand `item` to the stream's event loop (from any thread); a closed loop has nobody left to tell."""
+    """Hand `item` to the stream's event loop (from any thread)."""
+    _call_in(stream.loop, stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, function, argument) -> None:
+    """Run `function(argument)` in `loop` (from any thread); a closed loop has nobody left to tell."""
     try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        loop.call_soon_threadsafe(function, argument)
     except RuntimeError:
         pass

@@ -45,12 +45,13 @@ class StreamChunks:
     def __init__(self, request_id: str, object_name: str, body: Any) -> None:
         self.base = {"id": request_id, "object": object_name, "created": int(time.time()), "model": body.model}
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # Every chunk starts with the same fields: encoded once, the rest of a chunk is encoded per token.
+        self._head = "data: " + sse.dumps(self.base)[:-1] + ',"choices":'
 
     def __call__(self, choices: list[dict], usage_value: Any = None) -> str:
-        payload = {**self.base, "choices": choices, "system_fingerprint": None}
-        if self.include_usage:
-            payload["usage"] = usage_value
-        return sse.data_event(payload)
+        """`sse.data_event` of {**base, choices, system_fingerprint: None[, usage]}, byte for byte."""
+        tail = ',"system_fingerprint":null' + (',"usage":' + sse.dumps(usage_value) if self.include_usage else "")
+        return self._head + sse.dumps(choices) + tail + "}\n\n"
 
 
 def requested_sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,

@@ -9,18 +9,22 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MEDIA_TYPE = "text/event-stream"
 
 
-def _dumps(payload: Any) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def dumps(payload: Any) -> str:
+    """Compact JSON with text as it is (no \\u escapes for non-ASCII): the events' one encoding."""
+    return _ENCODER.encode(payload)
 
 
 def data_event(payload: Any) -> str:
     """An OpenAI Chat/Completions chunk: a bare `data:` line."""
-    return f"data: {_dumps(payload)}\n\n"
+    return f"data: {dumps(payload)}\n\n"
 
 
 def named_event(payload: dict) -> str:
     """A Responses or Anthropic event: `event:` carries the payload's own `type`."""
-    return f"event: {payload['type']}\ndata: {_dumps(payload)}\n\n"
+    return f"event: {payload['type']}\ndata: {dumps(payload)}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
