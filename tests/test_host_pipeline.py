@@ -4,7 +4,6 @@ like one device running them back to back."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import benchmark_module
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "host_pipeline.py"
@@ -23,12 +23,8 @@ COSTS = {"device": "test device", "decode_context": 1024, "decode_batches": [1, 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    spec = importlib.util.spec_from_file_location("host_pipeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["host_pipeline"] = module            # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["host_pipeline"]
+    with benchmark_module("host_pipeline") as module:
+        yield module
 
 
 class Row:

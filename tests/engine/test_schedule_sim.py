@@ -3,25 +3,16 @@ add exactly the table's prices, so that what it predicts for a policy is the tab
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_scripts import benchmark_module
 
 from flare.engine.step_cost import StepCosts
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "schedule_sim.py"
 
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("schedule_sim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["schedule_sim"] = module            # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["schedule_sim"]
+    with benchmark_module("schedule_sim") as module:
+        yield module
 
 
 # Decodes alone: 5 ms at 1, 8 ms at 64; any prompt work costs 40 ms up to 512 tokens, 60 ms at 2,048.

@@ -21,6 +21,7 @@ steps overwrite them before the draft attends to them, as in the target's cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,14 +59,11 @@ class DraftModelProposer:
     def run(self, plan: StepPlan, slots: BatchSlots, sampler) -> Proposal | None:
         """Absorb the step's tokens; propose each row's `num_proposed` drafts (None when none asks)."""
         last_rows, ids_after = self._absorb(plan, slots)
-        rows = [i for i, row in enumerate(plan.rows) if row.num_proposed]
-        if not rows:
+        asked = proposing_rows(plan, self.previous.device)
+        if asked is None:
             return None
-        device = self.previous.device
-        counts = [plan.rows[i].num_proposed for i in rows]
-        slot_ids = to_device(np.array([plan.rows[i].slot for i in rows], dtype=np.int64), device)
-        first = [_first_proposed(plan.rows[i]) for i in rows]
-        hidden_rows = to_device(np.array([last_rows[i] for i in rows], dtype=np.int64), device)
+        rows, counts, slot_ids, first = asked
+        hidden_rows = to_device(np.array([last_rows[i] for i in rows], dtype=np.int64), self.previous.device)
         logits = self.model.compute_logits(ids_after.index_select(0, hidden_rows))
         tokens, probs = [], []
         for step in range(max(counts)):
@@ -145,6 +143,26 @@ def draw(logits: torch.Tensor, slot_ids: torch.Tensor, positions: list[int], sam
     at = to_device(np.array(positions, dtype=np.int64), logits.device)[:, None]
     u = uniforms(seeds.seed_lo, seeds.seed_hi, at, torch.arange(q.shape[1], device=q.device), PURPOSE_DRAFT)
     return (q.double() / -torch.log(u)).argmax(dim=1), q
+
+
+class ProposingRows(NamedTuple):
+    """The rows of a plan that ask their runner for drafts: plan indices, drafts each, their slots on the
+    device, and the token index of each one's first proposed draft."""
+
+    rows: list[int]
+    counts: list[int]
+    slot_ids: torch.Tensor
+    first: list[int]
+
+
+def proposing_rows(plan: StepPlan, device: torch.device) -> ProposingRows | None:
+    """The plan's rows with `num_proposed` drafts; None when no row asks."""
+    rows = [i for i, row in enumerate(plan.rows) if row.num_proposed]
+    if not rows:
+        return None
+    return ProposingRows(rows, [plan.rows[i].num_proposed for i in rows],
+                         to_device(np.array([plan.rows[i].slot for i in rows], dtype=np.int64), device),
+                         [_first_proposed(plan.rows[i]) for i in rows])
 
 
 def _first_proposed(row: ScheduledRow) -> int:

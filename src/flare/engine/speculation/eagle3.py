@@ -24,7 +24,7 @@ import torch
 
 from flare.engine.attention import allocate_kv_caches
 from flare.engine.batch_slots import BatchSlots, to_device
-from flare.engine.speculation.draft_model import Proposal, StepOutcome, _first_proposed, _flat, draw
+from flare.engine.speculation.draft_model import Proposal, StepOutcome, _flat, draw, proposing_rows
 from flare.engine.step import StepPlan
 
 
@@ -99,14 +99,11 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, slots: BatchSlots, sampler) -> Proposal | None:
-        rows = [i for i, row in enumerate(plan.rows) if row.num_proposed]
-        if not rows:
+        asked = proposing_rows(plan, self.carry.device)
+        if asked is None:
             return None
-        device = self.carry.device
-        counts = [plan.rows[i].num_proposed for i in rows]
-        slot_ids = to_device(np.array([plan.rows[i].slot for i in rows], dtype=np.int64), device)
+        rows, counts, slot_ids, first = asked
         features = self.carry.index_select(0, slot_ids)
-        first = [_first_proposed(plan.rows[i]) for i in rows]
         # Core drafts first: the head reads them at positions m .. m + j - 1 (m: the fed token's).
         features = self._through_core_drafts(plan, rows, slots, features)
         tokens, probs = [], []
