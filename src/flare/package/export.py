@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,9 +126,18 @@ def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cach
     groups = [(DRAFT_WEIGHTS + payload.removeprefix("weights/") if draft else payload, names)
               for payload, names in wt.group_by_payload(files).items()]
     online_fp8 = None if draft else wt.online_fp8_of(spec.plan)
+    failed = threading.Event()          # once one payload fails, the workers start no other
 
     def write(group: tuple[str, list[str]]) -> PayloadRecord:
-        payload, names = group
+        if failed.is_set():
+            raise _Abandoned()
+        try:
+            return write_payload(*group)
+        except BaseException:
+            failed.set()
+            raise
+
+    def write_payload(payload: str, names: list[str]) -> PayloadRecord:
         path = tree / payload
         path.parent.mkdir(parents=True, exist_ok=True)
         sha256, size = st.write(path, wt.read_checkpoint_group(names, files, spec.plan.dtype, online_fp8))
@@ -139,6 +149,11 @@ def _write_weights(spec: ExportSpec, cache: ModelCache, tree: Path, require_cach
         for record in workers.map(write, groups):
             records.append(_register(cache, tree, record, hooks, require_cached))
     return records
+
+
+class _Abandoned(Exception):
+    """A payload not started because an earlier one failed. Payloads start in checkpoint order, so the
+    results, read in that order, raise the failure itself first."""
 
 
 def _reuse_weights(spec: ExportSpec, cache: ModelCache, tree: Path, source,
