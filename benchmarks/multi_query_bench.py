@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prefill_attention_bench import relative_error, timer  # noqa: E402
+from prefill_attention_bench import bench_device, print_failures, relative_error, timer, write_document  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16           # llama-8b / qwen3-8b attention shape
 BATCHES, QUERIES, CONTEXTS = (1, 8, 32), (2, 4, 9), (2048, 32768)
@@ -184,10 +183,7 @@ def print_table(records: list) -> None:
                         else f"{'failed':>10} {'-':>7}")
         speedup = f"{flash / default['ms']:6.1f}" if "ms" in default else f"{'-':>6}"
         print(f"{r['batch']:3} {r['queries']:3} {r['context']:7} | {best_text} | {default_text} | {flash:8.3f} {speedup}")
-        failed = [e for e in r["multi_query"] if "failed" in e]
-        if failed:
-            print(f"{'':15} {len(failed)} of {len(r['multi_query'])} launches failed: "
-                  + "; ".join(f"{e['variant']}: {e['failed'][:60]}" for e in failed[:3]))
+        print_failures(r["multi_query"], "launches")
     print("(x: the flash prefill kernel's time over the default multi-query launch's)")
 
 
@@ -198,13 +194,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    import triton
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        print("multi_query_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    chosen = bench_device("multi_query_bench", args.smoke)
+    if chosen is None:
         return 1
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = chosen
     began = time.time()
     correctness = check_correctness(device, dtype, args.smoke)
     for row in correctness:
@@ -223,15 +217,7 @@ def main(argv=None) -> int:
     if overall:
         print(f"\nbest launch over all cases: {overall['variant']}")
     print(f"finished in {time.time() - began:.0f}s")
-    document = {"benchmark": "multi-query decode attention", "device": torch.cuda.get_device_name()
-                if device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
-                "dtype": str(dtype), "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                                               "page_size": PAGE},
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "correctness": correctness, "cases": records, "best_overall": overall}
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(document, indent=1) + "\n")
+    write_document(args.output, "multi-query decode attention", device, dtype, correctness, records, overall)
     return 0 if all(row["ok"] for row in correctness) else 2
 
 

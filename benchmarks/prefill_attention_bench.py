@@ -253,10 +253,44 @@ def print_table(records: list) -> None:
         print(f"{r['case']:24} {new_text} | {old_text} | {sdpa['ms']:8.3f} {sdpa['tflops']:8.1f}")
         if "ms" in default:
             print(f"{'':24} default {default['variant']:20} {default['ms']:8.3f} {default['tflops']:8.1f}")
-        failed = [e for e in r["flash_prefill"] if "failed" in e]
-        if failed:
-            print(f"{'':24} {len(failed)} of {len(r['flash_prefill'])} configurations failed: "
-                  + "; ".join(f"{e['variant']}: {e['failed'][:60]}" for e in failed[:3]))
+        print_failures(r["flash_prefill"], "configurations")
+
+
+def bench_device(script: str, smoke: bool):
+    """(device, dtype) the kernels run on: bf16 on a GPU; a CPU only for --smoke (float32: the Triton
+    interpreter's bf16 products are not trustworthy). None, having said why, otherwise."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not smoke:
+        print(f"{script} needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return None
+    return device, torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def print_failures(entries: list, what: str) -> None:
+    """The entries of a case's sweep that failed to launch, the first three named."""
+    failed = [e for e in entries if "failed" in e]
+    if failed:
+        print(f"{'':24} {len(failed)} of {len(entries)} {what} failed: "
+              + "; ".join(f"{e['variant']}: {e['failed'][:60]}" for e in failed[:3]))
+
+
+def write_document(path: Path | None, benchmark: str, device: str, dtype, correctness: list, records: list,
+                   overall: dict | None) -> None:
+    """The run as JSON at `path` (nothing without one): device, versions, shape, checks, cases, best."""
+    import torch
+    import triton
+
+    if path is None:
+        return
+    document = {"benchmark": benchmark, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype),
+                "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE},
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "correctness": correctness, "cases": records, "best_overall": overall}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
 
 
 def main(argv=None) -> int:
@@ -267,13 +301,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    import triton
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        print("prefill_attention_bench needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    chosen = bench_device("prefill_attention_bench", args.smoke)
+    if chosen is None:
         return 1
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = chosen
     began = time.time()
     correctness = check_correctness(device, dtype, args.smoke)
     for row in correctness:
@@ -293,14 +325,7 @@ def main(argv=None) -> int:
         print(f"\nbest flash_prefill configuration over all cases: {overall['variant']} "
               f"({', '.join(f'{t:.3f}' for t in overall['ms'])} ms)")
     print(f"finished in {time.time() - began:.0f}s")
-    document = {"benchmark": "paged prefill attention", "device": torch.cuda.get_device_name() if device == "cuda"
-                else "cpu", "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype),
-                "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE},
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "correctness": correctness, "cases": records, "best_overall": overall}
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(document, indent=1) + "\n")
+    write_document(args.output, "paged prefill attention", device, dtype, correctness, records, overall)
     return 0 if all(row["ok"] for row in correctness) else 2
 
 
