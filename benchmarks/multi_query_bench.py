@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prefill_attention_bench import bench_device, print_failures, relative_error, timer, write_document  # noqa: E402
+from prefill_attention_bench import (bench_device, fastest_variant, print_failures, relative_error,  # noqa: E402
+                                     timer, write_document)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16           # llama-8b / qwen3-8b attention shape
 BATCHES, QUERIES, CONTEXTS = (1, 8, 32), (2, 4, 9), (2048, 32768)
@@ -161,15 +161,8 @@ def bench_case(batch, queries, context, dtype, device, sweep, measure, generator
 
 def best_overall(records: list) -> dict | None:
     """The launch with the smallest geometric mean of time over all cases."""
-    by_variant: dict[str, list] = {}
-    for record in records:
-        for entry in record["multi_query"]:
-            by_variant.setdefault(entry["variant"], []).append(entry.get("ms"))
-    complete = {v: times for v, times in by_variant.items() if all(t is not None for t in times)}
-    if not complete:
-        return None
-    variant = min(complete, key=lambda v: sum(math.log(t) for t in complete[v]))
-    return {"variant": variant, "ms": complete[variant]}
+    fastest = fastest_variant(records, "multi_query")
+    return None if fastest is None else {"variant": fastest[0], "ms": fastest[1]}
 
 
 def print_table(records: list) -> None:

@@ -228,18 +228,28 @@ def config_label(config: dict) -> str:
     return f"m{config['block_m']} n{config['block_n']} w{config['num_warps']} s{config['num_stages']}"
 
 
-def best_overall(records: list) -> dict | None:
-    """The flash_prefill configuration with the smallest geometric mean of time over all cases."""
-    by_config: dict[str, list] = {}
+def fastest_variant(records: list, sweep: str) -> tuple[str, list] | None:
+    """The variant of each record's `sweep` entries with the smallest geometric mean of time over all
+    cases, among those that ran in every case, and its times; None when none did."""
+    by_variant: dict[str, list] = {}
     for record in records:
-        for entry in record["flash_prefill"]:
-            by_config.setdefault(entry["variant"], []).append(entry.get("ms"))
-    complete = {label: times for label, times in by_config.items() if all(t is not None for t in times)}
+        for entry in record[sweep]:
+            by_variant.setdefault(entry["variant"], []).append(entry.get("ms"))
+    complete = {v: times for v, times in by_variant.items() if all(t is not None for t in times)}
     if not complete:
         return None
-    label = min(complete, key=lambda c: sum(math.log(t) for t in complete[c]))
+    variant = min(complete, key=lambda v: sum(math.log(t) for t in complete[v]))
+    return variant, complete[variant]
+
+
+def best_overall(records: list) -> dict | None:
+    """The flash_prefill configuration with the smallest geometric mean of time over all cases."""
+    fastest = fastest_variant(records, "flash_prefill")
+    if fastest is None:
+        return None
+    label, times = fastest
     config = next(e["config"] for e in records[0]["flash_prefill"] if e["variant"] == label)
-    return {"variant": label, "config": config, "ms": complete[label]}
+    return {"variant": label, "config": config, "ms": times}
 
 
 def print_table(records: list) -> None:
