@@ -54,6 +54,25 @@ def test_where_no_prompt_step_keeps_the_bound_a_step_carries_one_chunk():
     assert policy.prefill_cap(1000, CHUNK, num_decoding=16) == 1000                      # within the budget
 
 
+# The H200's llama-8b table of 2026-12-02 (ms; rows 1, 16, 64 decodes; columns 0-4,096 prompt tokens): a step
+# with prompt work paid ~30 ms of fixed price, so the bound kept only ~100 prompt tokens beside 64 decodes.
+FIXED_PRICE = StepCosts("NVIDIA H200", 1024, (1, 16, 64), (0, 64, 128, 256, 512, 1024, 2048, 4096), (
+    (5.393, 48.514, 49.483, 49.526, 49.776, 50.119, 51.875, 110.727),
+    (6.204, 36.339, 35.025, 35.13, 39.037, 41.571, 52.124, 110.171),
+    (8.57, 33.805, 35.757, 35.993, 33.652, 30.693, 56.768, 110.091)))
+
+
+def test_a_bound_kept_only_at_a_fraction_of_a_chunks_prompt_rate_gives_way_to_the_chunk():
+    """Keeping 35.1 ms beside 64 decodes would carry ~100 prompt tokens a step (2.9 tokens per ms) where a
+    chunk moves 2,048 in 56.8 ms (36 per ms): each decode would wait through 20 slow steps instead of one."""
+    policy = SchedulerPolicy().with_step_costs(FIXED_PRICE, concurrency=64, max_step_ms=35.1)
+    assert 64 < FIXED_PRICE.prompt_tokens_within(64, 35.1) < 128
+    assert policy.prefill_cap(BUDGET, CHUNK, num_decoding=64) == CHUNK
+    # Where the bound's step moves prompts at half a chunk's rate or more, the bound holds (COSTS: 16
+    # decodes within 17 ms carry 768 tokens, 45 per ms, against 1,024 in 20 ms, 51 per ms).
+    assert SchedulerPolicy().with_step_costs(COSTS, 16, 17.0).prefill_cap(BUDGET, CHUNK, 16) == 768
+
+
 def test_nobody_decoding_or_throughput_fills_the_step_and_no_table_carries_one_chunk():
     bounded = SchedulerPolicy().with_step_costs(COSTS, concurrency=16, max_step_ms=12.0)
     assert bounded.prefill_cap(BUDGET, CHUNK, num_decoding=0) == BUDGET

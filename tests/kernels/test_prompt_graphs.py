@@ -118,6 +118,30 @@ def test_the_export_check_needs_a_gpu(tiny_llama):
     assert (check.sizes, check.note, check.graphs) == ((), "not captured: CUDA graphs need a GPU", None)
 
 
+def test_the_check_tells_a_faithful_replay_from_padding_that_leaks_into_real_rows(kernel_device, tiny_llama,
+                                                                                   monkeypatch):
+    from flare.engine.attention import allocate_kv_caches
+    from flare.engine.attention_triton import TritonBackend
+    from flare.engine.prompt_graphs import PromptGraphs, _check_bucket
+    from flare.models import load_checkpoint
+
+    cfg, model = load_checkpoint(tiny_llama, torch.float32, kernel_device, TritonBackend())
+    caches = allocate_kv_caches(cfg, 16, 16, torch.float32, kernel_device)
+    graphs = PromptGraphs(model, caches, (16, 32), capture=False)    # a CPU "replay" is the padded step itself
+    faithful = _check_bucket(graphs, model, 32, range(16), 16, cfg.vocab_size)
+    assert faithful.replay == 0.0 and faithful.padding < 1e-4
+
+    real_attend = PromptGraphs._attend                    # attention one row off: the last real row reads padding
+
+    def one_row_off(self, call, count, meta):
+        self.query[:count].copy_(self.query[1:count + 1].clone())
+        real_attend(self, call, count, meta)
+
+    monkeypatch.setattr(PromptGraphs, "_attend", one_row_off)
+    leaking = _check_bucket(graphs, model, 32, range(16), 16, cfg.vocab_size)
+    assert leaking.padding > 1e-1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compiled", [False, True])
@@ -140,4 +164,10 @@ def test_the_export_check_captures_every_bucket_and_finds_the_eager_step(tiny_ll
 
     monkeypatch.setattr(PromptGraphs, "_attend", lambda self, call, count, meta: None)   # attention left out
     broken = check_prompt_graphs(model, caches, sizes, range(64), 16, cfg.vocab_size)
-    assert broken.sizes == () and "differs from the eager step" in broken.note
+    assert broken.sizes == () and broken.note.startswith("not captured: padding changes the eager step")
+
+    real_run = PromptGraphs.run                                                            # a stale replay
+    monkeypatch.undo()
+    monkeypatch.setattr(PromptGraphs, "run", lambda self, ids, positions, meta: real_run(self, ids.flip(0), positions, meta))
+    stale = check_prompt_graphs(model, caches, sizes, range(64), 16, cfg.vocab_size)
+    assert stale.sizes == () and stale.note.startswith("not captured: a replay differs from the eager step")

@@ -9,7 +9,12 @@ skipped) and differ only in how much prompt work a step may carry next to the de
   still fits the bound. Where no measured step with prompt work fits it (every such step costs more
   than the bound beside these decodes), the bound cannot be kept whatever is carried, and carrying
   less would only add steps that each break it: such a step carries one prefill chunk, as without
-  costs, so prompts keep moving at full speed and first tokens stay fast. The bound defaults to
+  costs, so prompts keep moving at full speed and first tokens stay fast. The same holds where the
+  bound can be kept only at a price: a step with prompt work pays a fixed cost, and where that cost
+  fills most of the bound, the few prompt tokens that still fit would move prompts at a fraction of a
+  chunk's rate (prompt tokens per ms of step) while every decode waits through each such step. Where
+  the bound's step moves prompt tokens at less than `MIN_PROMPT_RATE_SHARE` of a chunk's rate, it
+  carries the chunk. The bound defaults to
   `DEFAULT_CADENCE_FACTOR` times the measured step of a full decode batch (the served concurrency, no
   prompt work): as the batch grows the prompt share shrinks, and with few decoding the prompts take
   more. Without step costs (a package exported on the CPU, or
@@ -57,6 +62,7 @@ SchedulerPolicyName = Literal["balanced", "throughput"]
 DEFAULT_TERMINAL_VALUE = 256.0       # prompt-token units
 DEFAULT_TERMINAL_AGE_PRICE = 1.0     # value per ms²
 DEFAULT_CADENCE_FACTOR = 2.0         # the default bound: twice a full decode batch's step
+MIN_PROMPT_RATE_SHARE = 0.5          # below this share of a chunk's prompt rate, the bound is not worth it
 MAX_STEP_MS_FLAG = "--scheduler-max-step-ms"
 
 
@@ -104,10 +110,19 @@ class SchedulerPolicy:
         requests, before terminal allowances."""
         if self.name == "throughput" or num_decoding == 0:
             return step_budget
-        fits = 0 if self.step_costs is None else self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms)
-        if fits == 0:                   # no costs, or no step with prompt work keeps the bound: one chunk
-            return min(prefill_chunk, step_budget)
-        return min(step_budget, fits)
+        chunk = min(prefill_chunk, step_budget)
+        if self.step_costs is None:     # no costs: one chunk
+            return chunk
+        fits = min(step_budget, self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms))
+        measured_chunk = min(chunk, self.step_costs.prompt_tokens[-1])
+        if fits == 0 or (fits < chunk and self._prompt_rate(num_decoding, fits)
+                         < MIN_PROMPT_RATE_SHARE * self._prompt_rate(num_decoding, measured_chunk)):
+            return chunk                # no step with prompt work keeps the bound, or only at a fraction of the rate
+        return fits
+
+    def _prompt_rate(self, num_decoding: int, prompt_tokens: int) -> float:
+        """Prompt tokens per ms of a measured step that carries them beside `num_decoding` decodes."""
+        return prompt_tokens / self.step_costs.step_ms(num_decoding, prompt_tokens)
 
     def retirement_value(self, terminal_age_s: float | None) -> float:
         """What retiring a request is worth now, in prompt tokens; 0 for a request that is not terminal."""
