@@ -174,7 +174,9 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     if prepared is not None and prepared.step_costs is not None:
         plan = msgspec.structs.replace(plan, step_costs=step_cost_table(prepared.step_costs))
     if prepared is not None and prepared.prompt_graphs is not None:
-        plan = msgspec.structs.replace(plan, prompt_graph_sizes=prepared.prompt_graphs.sizes)
+        plan = msgspec.structs.replace(plan, prompt_graph_sizes=prepared.prompt_graphs.sizes,
+                                       prompt_graph_bytes=prepared.prompt_graphs.capture_bytes
+                                       if prepared.prompt_graphs.sizes else 0)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
     with progress.phase("Export package") as phase:
         counts = {"written": 0, "reused": 0, "bytes": 0}
@@ -311,7 +313,8 @@ def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: Phase
         sizes, prompt = prepared.captured_sizes, prepared.prompt_graphs
         phase.done((f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}); "
                     "captured again when serving starts" if sizes else "no decode graphs on this backend")
-                   + (f"; prompt steps: {_prompt_graphs_text(prompt.sizes, prompt.note)}" if prompt else ""))
+                   + (f"; prompt steps: {_prompt_graphs_text(prompt.sizes, prompt.note, prompt.capture_bytes)}"
+                      if prompt else ""))
     with progress.phase("Measure steps") as phase:
         costs = prepared.step_costs
         if costs is None:
@@ -341,11 +344,13 @@ def _graph_catalog(plan: Plan, prepared) -> GraphCatalog:
                         prompt_note=check.note if check is not None else "")
 
 
-def _prompt_graphs_text(sizes: tuple[int, ...], note: str) -> str:
-    """The prompt-step buckets in a line: how many, from which to which size, and the check's note."""
+def _prompt_graphs_text(sizes: tuple[int, ...], note: str, capture_bytes: int = 0) -> str:
+    """The prompt-step buckets in a line: how many, from which to which size, the check's note, and the
+    memory their capture took (set aside when serving)."""
     if not sizes:
         return note
-    return f"{len(sizes)} token buckets ({sizes[0]}-{sizes[-1]:,}), {note}"
+    return (f"{len(sizes)} token buckets ({sizes[0]}-{sizes[-1]:,}), {note}; their capture took "
+            f"{capture_bytes / 2**30:.2f} GiB, set aside before KV pages when serving")
 
 
 def _device(gpus: str | None) -> str:

@@ -32,3 +32,18 @@ def test_an_fp8_kv_cache_holds_about_twice_the_tokens_in_the_same_memory(monkeyp
     assert fp8.bytes == fp8.tokens * kv_bytes_per_token(config, 2, kv_cache_dtype="fp8")
     assert kv_bytes_per_token(config, 2, kv_cache_dtype="fp8") == 2 * 32 * 8 * (128 + 4)   # K and V, 32 layers
     assert 1.9 < fp8.tokens / dense.tokens < 2.0            # 2 x 128 bytes per head against 128 + 4
+
+
+def test_the_prompt_graphs_capture_export_measured_comes_out_of_the_kv_pool(monkeypatch):
+    """Serving captures the prompt graphs after allocating the pages: what export measured their capture to
+    take is set aside first (an H200 run ran out of memory capturing them into a pool sized without it)."""
+    from dataclasses import replace
+
+    gpu = [memory.DeviceMemory(0, "test GPU", free=80 * GiB, total=141 * GiB)]
+    monkeypatch.setattr(kv_sizing, "read_device_memory", lambda: gpu)
+    eager = llama_8b("auto")
+    graphed = replace(eager, prompt_graph_sizes=(16, 256, 512), prompt_graph_bytes=3 * GiB)
+    unused = replace(eager, prompt_graph_bytes=3 * GiB)           # no buckets: nothing is captured
+    pools = [serving_kv_pool(model, 64, "memory", None, 0) for model in (eager, graphed, unused)]
+    assert pools[0].bytes - pools[1].bytes >= 3 * GiB - pools[0].bytes // pools[0].tokens * 16
+    assert pools[2].tokens == pools[0].tokens

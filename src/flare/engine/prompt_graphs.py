@@ -202,11 +202,13 @@ class PromptGraphs:
 @dataclass(frozen=True)
 class PromptGraphCheck:
     """What `check_prompt_graphs` found: the buckets whose replays match the eager step (empty: none
-    did, or none could be captured), a note that says which, and the captured graphs when they passed."""
+    did, or none could be captured), a note that says which, the captured graphs when they passed, and the
+    device memory their capture took at its peak (buffers, pool and warm-up, over what the device held)."""
 
     sizes: tuple[int, ...]
     note: str
     graphs: PromptGraphs | None = field(default=None, compare=False, repr=False)
+    capture_bytes: int = 0
 
 
 def check_prompt_graphs(model, kv_caches: list[torch.Tensor], sizes: Sequence[int], pages: Sequence[int],
@@ -219,8 +221,13 @@ def check_prompt_graphs(model, kv_caches: list[torch.Tensor], sizes: Sequence[in
     if reason is not None:
         return PromptGraphCheck((), f"not captured: {reason}")
     try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()                # what the capture takes, not what cached blocks already hold
+        held = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
         graphs = PromptGraphs(model, kv_caches, sizes)
         graphs.capture_all()
+        capture_bytes = max(0, torch.cuda.max_memory_reserved() - held)
         errors = [_check_bucket(graphs, model, size, pages, page_size, vocab_size) for size in sizes]
     except (RuntimeError, ValueError) as error:          # a capture the device refused, out of memory, ...
         return PromptGraphCheck((), f"not captured: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
@@ -232,7 +239,8 @@ def check_prompt_graphs(model, kv_caches: list[torch.Tensor], sizes: Sequence[in
     if padding > PADDING_TOLERANCE:
         return PromptGraphCheck((), f"not captured: padding changes the eager step by {padding:.1e} "
                                     f"(relative), over {PADDING_TOLERANCE:.0e} ({measured})")
-    return PromptGraphCheck(tuple(sizes), f"replays match the eager step (worst relative error: {measured})", graphs)
+    return PromptGraphCheck(tuple(sizes), f"replays match the eager step (worst relative error: {measured})", graphs,
+                            capture_bytes)
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,9 @@ class Plan(_Record):
     # (flare.engine.prompt_graphs); set only when export captured them on the GPU and their replays
     # matched the eager step. Empty: those steps run eagerly.
     prompt_graph_sizes: tuple[Positive, ...] = ()
+    # The device memory that capture took at export (its peak over what the device held before): serving
+    # sets it aside before sizing KV pages, since the graphs are captured after the pages are allocated.
+    prompt_graph_bytes: Count = 0
     speculation: SpeculationPlan | None = None      # None: --no-mtp, or a package from before speculation
 
 

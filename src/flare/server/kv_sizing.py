@@ -5,8 +5,8 @@ engine_config_for_pool` turns them into the engine's settings. This module only 
 served model brings: device memory, the reserve or `--memory-limit`, bytes per cached token (the recipes'
 `kv_bytes_per_token`), and the prepared context and concurrency.
 
-`--kv-cache-limit memory` (the default) gives KV pages what the GPU has free after the weights, graphs and
-scratch for the step's token budget, per-request live state, the engine's headroom and the reserve (or
+`--kv-cache-limit memory` (the default) gives KV pages what the GPU has free after the weights, graphs (the
+prompt graphs' capture as export measured it, since they are captured after the pages) and scratch for the step's token budget, per-request live state, the engine's headroom and the reserve (or
 within `--memory-limit`); `context` and `concurrency` cap the pool at one
 prepared context, or one per active request. Without a GPU the sizing runs against host memory, where
 filling RAM with pages would help nobody: there the pool stops at one context per active request.
@@ -44,8 +44,10 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
     drafts = speculation.draft_tokens if speculation is not None and speculation.enabled else 0
     rows = speculation.max_verification_tokens if drafts else None
     verify = speculation_memory(model.hf_config, concurrency, drafts, rows, model.page_size, token_bytes)
+    prompt_graphs = model.prompt_graph_bytes if model.prompt_graph_sizes else 0
     fixed = FixedCosts(weights=model.weight_bytes,
-                       graphs=serving_scratch_bytes(model.hf_config, concurrency, model.prefill_chunk) + verify.scratch,
+                       graphs=serving_scratch_bytes(model.hf_config, concurrency, model.prefill_chunk) + verify.scratch
+                       + prompt_graphs,
                        live_state=concurrency * (live_state_bytes_per_request(model.hf_config, model.page_size,
                                                                               model.max_model_len)
                                                  + verify.per_request),

@@ -325,7 +325,7 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
         decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype,
         step_costs=step_costs_of(plan), prompt_graph_sizes=plan.prompt_graph_sizes,
-        speculation=plan.speculation)
+        prompt_graph_bytes=plan.prompt_graph_bytes, speculation=plan.speculation)
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

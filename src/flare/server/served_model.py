@@ -31,5 +31,6 @@ class ServedModel:
     kv_cache_dtype: str = "auto"           # the plan's KV cache dtype ("fp8": e4m3 with per-token scales)
     step_costs: Any = None                 # flare.engine.step_cost.StepCosts measured at export; None: none
     prompt_graph_sizes: tuple[int, ...] = ()  # the plan's prompt-step buckets (checked at export); empty: eager
+    prompt_graph_bytes: int = 0            # device memory their capture took at export
     speculation: Any = None                # the plan's flare.package.manifest.SpeculationPlan; None: none
     iter_draft_weights: Callable[[], Iterator[tuple[str, Any]]] | None = None   # debug-serve's learned draft
