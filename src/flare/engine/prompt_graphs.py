@@ -24,9 +24,9 @@ attention backend once per layer in layer order and touches the step's metadata 
 for dynamic rotary scaling, which reads context lengths), and everything between attention calls works
 on each token's row alone.
 
-Buckets (`flare.engine.config.prompt_graph_sizes`): a few small ones for decode-heavy mixed steps, then
-steps of 256 tokens up to the step token budget, so padding costs at most a few percent of a large
-step's matrix work. A package's plan records them only after `ignition export` captured them on the
+Buckets (`flare.engine.config.prompt_graph_sizes`): 16 to 512 tokens, the steps whose launches the GPU
+cannot hide (decode-heavy mixed steps, chunk tails, verification rounds); larger steps run eagerly, their
+matrix work hiding the launches. A package's plan records them only after `ignition export` captured them on the
 GPU and checked their replays against the eager step (`check_prompt_graphs`); serving captures them
 again at start-up. On a CPU the same class runs the padded forward eagerly (capture=False), so the
 bookkeeping is testable without a GPU.
