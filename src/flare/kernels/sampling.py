@@ -65,6 +65,10 @@ from flare.kernels.sampling_reference import (
 NUM_PASSES = 17                 # prepare + 16 passes; the last top-p digit is decided in pass 16
 HIST_PASSES = 16                # passes that may leave a histogram (0..15)
 STATE_FIELDS = 8
+LEVELS = 8                      # the candidate levels x >= -2, -4, ..., -16
+LEVEL_STEP = 2.0
+SCAN_FIELDS = 1 + 2 * LEVELS    # per part: min-p mass, then each level's count and min-p mass
+MODE_GREEDY, MODE_CANDIDATES, MODE_RADIX = 0, 1, 2      # how a row was sampled (workspace.row_mode)
 
 _F_FLAGS = tl.constexpr(FIELD_FLAGS)
 _F_TOP_K = tl.constexpr(FIELD_TOP_K)
@@ -89,6 +93,10 @@ _S_TAU_P = tl.constexpr(3)          # the top-p threshold key (0: none)
 _S_MASS_ABOVE = tl.constexpr(4)     # top-p: mass of the kept tokens above the current bucket (float bits)
 _S_TARGET = tl.constexpr(5)         # top-p: top_p * the mass left by min-p and top-k (float bits)
 _STATE_FIELDS = tl.constexpr(STATE_FIELDS)
+_LEVEL_STEP = tl.constexpr(LEVEL_STEP)
+_MODE_GREEDY = tl.constexpr(MODE_GREEDY)
+_MODE_CANDIDATES = tl.constexpr(MODE_CANDIDATES)
+_MODE_RADIX = tl.constexpr(MODE_RADIX)
 
 _M0 = tl.constexpr(PHILOX_M0)
 _M1 = tl.constexpr(PHILOX_M1)
@@ -101,14 +109,35 @@ _PURPOSE_SAMPLE = tl.constexpr(PURPOSE_SAMPLE)
 @dataclass(frozen=True)
 class SamplingKernelConfig:
     """Launch shape. `chunk` (tokens per program) fixes how a row's sums are split, so it must not change
-    with the batch; results are identical for any config only up to float summation order."""
+    with the batch; results are identical for any config only up to float summation order.
+
+    `candidates`: the most tokens a row's candidate list holds (0: every random row takes the radix
+    passes); `pair_block`: the side of the select kernel's pair tiles; `radix_programs`: the fixed grid of
+    the radix passes, which walk the (row, part) items of the rows that need them."""
 
     chunk: int = 4096
     block: int = 1024
     num_warps: int = 4
+    candidates: int = 2048
+    pair_block: int = 64
+    radix_programs: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("chunk", "block", "pair_block", "radix_programs"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"sampling: {name} must be a positive power of two, not {value}")
+        if self.chunk % self.block:
+            raise ValueError(f"sampling: chunk {self.chunk} must be a multiple of block {self.block}")
+        if self.candidates < 0:
+            raise ValueError(f"sampling: candidates must be 0 (off) or more, not {self.candidates}")
 
     def parts(self, vocab_size: int) -> int:
         return triton.cdiv(vocab_size, self.chunk)
+
+    @property
+    def scan_block(self) -> int:
+        return min(self.block, 256)
 
 
 @dataclass(frozen=True)
@@ -124,14 +153,18 @@ class SamplingWorkspace:
     race_value: torch.Tensor        # [rows, parts] float32: each part's best x + g
     race_index: torch.Tensor        # [rows, parts] int32
     kept_mass: torch.Tensor         # [rows, parts] float32 (target_probs only)
+    scan: torch.Tensor              # [rows, parts, SCAN_FIELDS] float32: the candidate levels' counts and masses
+    cand_value: torch.Tensor        # [rows, max(candidates, 1)] float32: a candidate row's tokens' w, in token order
+    cand_index: torch.Tensor        # [rows, max(candidates, 1)] int32: and their ids
+    row_mode: torch.Tensor          # [rows] int32: MODE_* of each row of the last call
+    drawn: torch.Tensor             # [rows] int32: a candidate row's drawn token (V: it kept none)
     config: SamplingKernelConfig
 
     @staticmethod
     def allocate(max_rows: int, vocab_size: int, device: torch.device | str,
                  config: SamplingKernelConfig = SamplingKernelConfig()) -> SamplingWorkspace:
-        if config.chunk % config.block:
-            raise ValueError(f"sampling: chunk {config.chunk} must be a multiple of block {config.block}")
         parts = config.parts(vocab_size)
+        capacity = max(config.candidates, 1)
         tiles = parts * (config.chunk // config.block)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         return SamplingWorkspace(
@@ -140,7 +173,9 @@ class SamplingWorkspace:
             hist=torch.empty(HIST_PASSES, max_rows, parts, 16, **f32),
             state=torch.empty(NUM_PASSES, max_rows, STATE_FIELDS, **i32),
             race_value=torch.empty(max_rows, parts, **f32), race_index=torch.empty(max_rows, parts, **i32),
-            kept_mass=torch.empty(max_rows, parts, **f32), config=config)
+            kept_mass=torch.empty(max_rows, parts, **f32), scan=torch.empty(max_rows, parts, SCAN_FIELDS, **f32),
+            cand_value=torch.empty(max_rows, capacity, **f32), cand_index=torch.empty(max_rows, capacity, **i32),
+            row_mode=torch.zeros(max_rows, **i32), drawn=torch.empty(max_rows, **i32), config=config)
 
     @property
     def max_rows(self) -> int:
@@ -263,18 +298,235 @@ def _prepare_kernel(
         tl.store(st + _S_TARGET, 0)
 
 
+# -- the candidate path: scan, compact, select ------------------------------------------------------------
+
+@triton.jit
+def _tile_max_value(tile_max_ptr, index):
+    """The largest w of a tile, from its stored key (a tile with nothing in range reads as NaN)."""
+    key = tl.load(tile_max_ptr + index).to(tl.uint32, bitcast=True)
+    bits = tl.where(key >= 0x80000000, key ^ 0x80000000, ~key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scan_kernel(
+    w_ptr, stride_w, slots_ptr, params_ptr, stats_value_ptr, scan_ptr, V,
+    CHUNK: tl.constexpr, SCAN_BLOCK: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+    LEVELS: tl.constexpr,
+):
+    """Each part's min-p mass of its random row and, per level e, the count of finite tokens with x >= e
+    and their min-p mass: [mass, counts[LEVELS], masses[LEVELS]]."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
+    if (tl.load(params + _F_FLAGS) & _RANDOM) != 0:
+        parts = tl.arange(0, PARTS_PAD)
+        w_max = tl.max(tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS, other=float("-inf")),
+                       axis=0)
+        inv_t = tl.load(params + _F_INV_T).to(tl.float32, bitcast=True)
+        log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
+        levels = tl.arange(0, LEVELS)
+        edges = -_LEVEL_STEP * (levels + 1).to(tl.float32)
+        total = tl.zeros([SCAN_BLOCK], dtype=tl.float32)         # accumulated across the part, summed once
+        counts = tl.zeros([LEVELS, SCAN_BLOCK], dtype=tl.int32)
+        masses = tl.zeros([LEVELS, SCAN_BLOCK], dtype=tl.float32)
+        for t in range(CHUNK // SCAN_BLOCK):
+            offs = part * CHUNK + t * SCAN_BLOCK + tl.arange(0, SCAN_BLOCK)
+            w = tl.load(w_ptr + row.to(tl.int64) * stride_w + offs, mask=offs < V, other=float("-inf"))
+            x = (w - w_max) * inv_t
+            finite = w > float("-inf")
+            mass = tl.where(finite & (x >= log_min_p), tl.exp(x), 0.0)
+            total += mass
+            above = finite[None, :] & (x[None, :] >= edges[:, None])
+            counts += above.to(tl.int32)
+            masses += tl.where(above, mass[None, :], 0.0)
+        out = scan_ptr + (row * PARTS + part) * (1 + 2 * LEVELS)
+        tl.store(out, tl.sum(total, axis=0))
+        tl.store(out + 1 + levels, tl.sum(counts, axis=1).to(tl.float32))
+        tl.store(out + 1 + LEVELS + levels, tl.sum(masses, axis=1))
+
+
+@triton.jit
+def _choose_level(scan_ptr, row, has_k, has_p, top_k, top_p, log_min_p,
+                  PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, LEVELS: tl.constexpr, CAPACITY: tl.constexpr):
+    """The highest level whose tokens hold every token the row may keep, if at most CAPACITY: (level or
+    -1, its token count, the row's min-p mass). Every kernel that calls it decides the same."""
+    parts = tl.arange(0, PARTS_PAD)
+    levels = tl.arange(0, LEVELS)
+    stats = scan_ptr + (row * PARTS + parts[:, None]) * (1 + 2 * LEVELS) + 1 + levels[None, :]
+    in_row = (parts < PARTS)[:, None]
+    counts = tl.sum(tl.load(stats, mask=in_row, other=0.0), axis=0)
+    masses = tl.sum(tl.load(stats + LEVELS, mask=in_row, other=0.0), axis=0)
+    total = tl.sum(tl.load(scan_ptr + (row * PARTS + parts) * (1 + 2 * LEVELS), mask=parts < PARTS, other=0.0),
+                   axis=0)
+    edges = -_LEVEL_STEP * (levels + 1).to(tl.float32)
+    holds = tl.where(has_k, counts >= top_k.to(tl.float32),
+                     tl.where(has_p, masses >= top_p * total, edges <= log_min_p))
+    fits = holds & (counts <= CAPACITY)
+    level = tl.min(tl.where(fits, levels, LEVELS), axis=0)
+    level = tl.where(level < LEVELS, level, -1)
+    count = tl.sum(tl.where(levels == level, counts, 0.0), axis=0)
+    return level, count.to(tl.int32), total
+
+
+@triton.jit
+def _compact_kernel(
+    w_ptr, stride_w, slots_ptr, params_ptr, stats_value_ptr, tile_max_ptr, scan_ptr, cand_value_ptr,
+    cand_index_ptr, V,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+    LEVELS: tl.constexpr, CAPACITY: tl.constexpr,
+):
+    """The tokens of the chosen level into the row's candidate list, in token order (parts in turn)."""
+    TILES: tl.constexpr = CHUNK // BLOCK
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
+    flags = tl.load(params + _F_FLAGS)
+    is_random = (flags & _RANDOM) != 0
+    top_k = tl.load(params + _F_TOP_K)
+    top_p = tl.load(params + _F_TOP_P).to(tl.float32, bitcast=True)
+    log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
+    level, count, total = _choose_level(scan_ptr, row, is_random & (top_k > 0), is_random & (top_p < 1.0), top_k,
+                                        top_p, log_min_p, PARTS, PARTS_PAD, LEVELS, CAPACITY)
+    if is_random & (level >= 0):
+        parts = tl.arange(0, PARTS_PAD)
+        counts = tl.load(scan_ptr + (row * PARTS + parts) * (1 + 2 * LEVELS) + 1 + level, mask=parts < part,
+                         other=0.0)
+        filled = tl.sum(counts, axis=0).to(tl.int32)
+        w_max = tl.max(tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS, other=float("-inf")),
+                       axis=0)
+        inv_t = tl.load(params + _F_INV_T).to(tl.float32, bitcast=True)
+        edge = -_LEVEL_STEP * (level + 1).to(tl.float32)
+        for t in range(TILES):
+            tile = part * TILES + t
+            if (_tile_max_value(tile_max_ptr + row * (PARTS * TILES), tile) - w_max) * inv_t >= edge:
+                offs = tile * BLOCK + tl.arange(0, BLOCK)
+                w = tl.load(w_ptr + row.to(tl.int64) * stride_w + offs, mask=offs < V, other=float("-inf"))
+                chosen = (w > float("-inf")) & ((w - w_max) * inv_t >= edge)
+                at = filled + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+                tl.store(cand_value_ptr + row * CAPACITY + at, w, mask=chosen)
+                tl.store(cand_index_ptr + row * CAPACITY + at, offs, mask=chosen)
+                filled += tl.sum(chosen.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _select_kernel(
+    slots_ptr, positions_ptr, params_ptr, stats_value_ptr, scan_ptr, cand_value_ptr, cand_index_ptr,
+    mode_ptr, drawn_ptr, V,
+    PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, LEVELS: tl.constexpr, CAPACITY: tl.constexpr,
+    PAIR: tl.constexpr,
+):
+    """One program per row: the row's mode, and for candidate rows top-k, top-p and the race over the
+    candidates (top-k and top-p thresholds by counting and summing over all pairs, PAIR x PAIR at a time)."""
+    row = tl.program_id(0)
+    params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
+    flags = tl.load(params + _F_FLAGS)
+    is_random = (flags & _RANDOM) != 0
+    top_k = tl.load(params + _F_TOP_K)
+    top_p = tl.load(params + _F_TOP_P).to(tl.float32, bitcast=True)
+    has_k = is_random & (top_k > 0)
+    has_p = is_random & (top_p < 1.0)
+    log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
+    mode = tl.where(is_random, _MODE_RADIX, _MODE_GREEDY)
+    if is_random & (CAPACITY > 0):
+        level, count, total = _choose_level(scan_ptr, row, has_k, has_p, top_k, top_p, log_min_p,
+                                            PARTS, PARTS_PAD, LEVELS, CAPACITY)
+        if level >= 0:
+            parts = tl.arange(0, PARTS_PAD)
+            w_max = tl.max(tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS,
+                                   other=float("-inf")), axis=0)
+            inv_t = tl.load(params + _F_INV_T).to(tl.float32, bitcast=True)
+            values = cand_value_ptr + row * CAPACITY
+            pair = tl.arange(0, PAIR)
+            tau_k = tl.full([], float("-inf"), tl.float32)
+            if has_k:                       # the largest value with at least k tokens at or above it
+                for i in range(0, count, PAIR):
+                    w_i = tl.load(values + i + pair, mask=i + pair < count, other=float("-inf"))
+                    at_or_above = tl.zeros([PAIR], dtype=tl.float32)
+                    for j in range(0, count, PAIR):
+                        w_j = tl.load(values + j + pair, mask=j + pair < count, other=float("-inf"))
+                        at_or_above += tl.sum(tl.where(w_j[None, :] >= w_i[:, None], 1.0, 0.0), axis=1)
+                    reaching = (i + pair < count) & (at_or_above >= top_k.to(tl.float32))
+                    tau_k = tl.maximum(tau_k, tl.max(tl.where(reaching, w_i, float("-inf")), axis=0))
+            tau_p = tl.full([], float("-inf"), tl.float32)
+            if has_p:                       # the largest kept value whose head holds top_p of the mass
+                if has_k:
+                    total = tl.full([], 0.0, tl.float32)
+                    for j in range(0, count, PAIR):
+                        w_j = tl.load(values + j + pair, mask=j + pair < count, other=float("-inf"))
+                        x_j = (w_j - w_max) * inv_t
+                        total += tl.sum(tl.where((w_j > float("-inf")) & (x_j >= log_min_p) & (w_j >= tau_k),
+                                                 tl.exp(x_j), 0.0), axis=0)
+                target = top_p * total
+                reached = tl.full([], 0, tl.int32)
+                for i in range(0, count, PAIR):
+                    w_i = tl.load(values + i + pair, mask=i + pair < count, other=float("-inf"))
+                    x_i = (w_i - w_max) * inv_t
+                    head = tl.zeros([PAIR], dtype=tl.float32)
+                    for j in range(0, count, PAIR):
+                        w_j = tl.load(values + j + pair, mask=j + pair < count, other=float("-inf"))
+                        x_j = (w_j - w_max) * inv_t
+                        mass_j = tl.where((w_j > float("-inf")) & (x_j >= log_min_p) & (w_j >= tau_k),
+                                          tl.exp(x_j), 0.0)
+                        head += tl.sum(tl.where(w_j[None, :] >= w_i[:, None], mass_j[None, :], 0.0), axis=1)
+                    reaching = ((w_i > float("-inf")) & (x_i >= log_min_p) & (w_i >= tau_k) & (head >= target))
+                    tau_p = tl.maximum(tau_p, tl.max(tl.where(reaching, w_i, float("-inf")), axis=0))
+                    reached += tl.sum(reaching.to(tl.int32), axis=0)
+                if reached == 0:            # the level's mass and these sums disagree in the last bits
+                    level = -1
+            if level >= 0:
+                position = tl.load(positions_ptr + row)
+                seed_lo = tl.load(params + _F_SEED_LO)
+                seed_hi = tl.load(params + _F_SEED_HI)
+                best = tl.full([], float("-inf"), tl.float32)
+                best_index = V
+                for j in range(0, count, PAIR):
+                    w_j = tl.load(values + j + pair, mask=j + pair < count, other=float("-inf"))
+                    index = tl.load(cand_index_ptr + row * CAPACITY + j + pair, mask=j + pair < count, other=V)
+                    x_j = (w_j - w_max) * inv_t
+                    kept = (w_j > float("-inf")) & (x_j >= log_min_p) & (w_j >= tau_k) & (w_j >= tau_p)
+                    exponential = -tl.log(counter_uniform(seed_lo, seed_hi, position, index, _PURPOSE_SAMPLE))
+                    score = tl.where(kept, x_j + -tl.log(exponential.to(tl.float32)), float("-inf"))
+                    block_best = tl.max(score, axis=0)
+                    block_index = tl.min(tl.where(kept & (score == block_best), index, V), axis=0)
+                    best_index = tl.where(block_best > best, block_index, best_index)
+                    best = tl.maximum(best, block_best)
+                tl.store(drawn_ptr + row, best_index)
+                mode = _MODE_CANDIDATES
+    tl.store(mode_ptr + row, mode)
+
+
 # -- passes 1..16 -----------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["pass_index"])
 def _pass_kernel(
     w_ptr, stride_w, slots_ptr, positions_ptr, params_ptr, stats_value_ptr, tile_max_ptr, hist_ptr,
-    state_ptr, race_value_ptr, race_index_ptr,
-    pass_index, V, max_rows,
+    state_ptr, race_value_ptr, race_index_ptr, mode_ptr,
+    pass_index, V, max_rows, rows,
+    DRAW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+    ROWS_PAD: tl.constexpr,
+):
+    """A fixed grid walks the (row, part) items of the rows whose mode is radix; when no row is, each
+    program reads the modes once and stops (the passes cost little for rows the candidate path took)."""
+    all_rows = tl.arange(0, ROWS_PAD)
+    modes = tl.load(mode_ptr + all_rows, mask=all_rows < rows, other=_MODE_GREEDY)
+    if tl.max(tl.where(modes == _MODE_RADIX, 1, 0), axis=0) > 0:
+        for item in range(tl.program_id(0), rows * PARTS, tl.num_programs(0)):
+            row = item // PARTS
+            if tl.load(mode_ptr + row) == _MODE_RADIX:
+                _radix_pass(w_ptr, stride_w, slots_ptr, positions_ptr, params_ptr, stats_value_ptr, tile_max_ptr,
+                            hist_ptr, state_ptr, race_value_ptr, race_index_ptr, pass_index, V, max_rows,
+                            row, item % PARTS, DRAW, CHUNK, BLOCK, PARTS, PARTS_PAD)
+
+
+@triton.jit
+def _radix_pass(
+    w_ptr, stride_w, slots_ptr, positions_ptr, params_ptr, stats_value_ptr, tile_max_ptr, hist_ptr,
+    state_ptr, race_value_ptr, race_index_ptr, pass_index, V, max_rows, row, part,
     DRAW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):
+    """Pass `pass_index` of one row's radix select, for the tokens of one part of the row."""
     TILES: tl.constexpr = CHUNK // BLOCK
-    row = tl.program_id(0)
-    part = tl.program_id(1)
     params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
     flags = tl.load(params + _F_FLAGS)
     is_random = (flags & _RANDOM) != 0
@@ -380,16 +632,20 @@ def _pass_kernel(
 @triton.jit
 def _finish_kernel(
     out_ptr, slots_ptr, params_ptr, counts_ptr, stride_counts, stats_value_ptr, stats_index_ptr,
-    race_value_ptr, race_index_ptr, V, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+    race_value_ptr, race_index_ptr, mode_ptr, drawn_ptr, V, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row)
     flags = tl.load(params_ptr + slot * _NUM_FIELDS + _F_FLAGS)
+    mode = tl.load(mode_ptr + row)
     parts = tl.arange(0, PARTS_PAD)
     values = tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS, other=float("-inf"))
     indices = tl.load(stats_index_ptr + row * PARTS + parts, mask=parts < PARTS, other=V)
     token = tl.min(tl.where(values == tl.max(values, axis=0), indices, V), axis=0)     # first argmax
-    if (flags & _RANDOM) != 0:
+    if mode == _MODE_CANDIDATES:
+        drawn = tl.load(drawn_ptr + row)
+        token = tl.where(drawn < V, drawn, token)               # V: the row kept nothing
+    if mode == _MODE_RADIX:
         values = tl.load(race_value_ptr + row * PARTS + parts, mask=parts < PARTS, other=float("-inf"))
         indices = tl.load(race_index_ptr + row * PARTS + parts, mask=parts < PARTS, other=V)
         drawn = tl.min(tl.where(values == tl.max(values, axis=0), indices, V), axis=0)
@@ -456,11 +712,13 @@ def sample(logits: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, t
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    meta = _run_passes(logits, slots, positions, tables, workspace, allowed_bitmask, draw=True)
+    meta = _run_passes(logits, slots, positions, tables, workspace, allowed_bitmask, draw=True,
+                       candidates=workspace.config.candidates)
     _finish_kernel[(rows,)](
         out, slots, tables.params, tables.output_counts, tables.output_counts.stride(0),
         workspace.stats_value, workspace.stats_index, workspace.race_value, workspace.race_index,
-        logits.shape[1], PARTS=meta["PARTS"], PARTS_PAD=meta["PARTS_PAD"], num_warps=1)
+        workspace.row_mode, workspace.drawn, logits.shape[1], PARTS=meta["PARTS"], PARTS_PAD=meta["PARTS_PAD"],
+        num_warps=1)
     return out
 
 
@@ -473,7 +731,7 @@ def target_probs(logits: torch.Tensor, slots: torch.Tensor, tables: SamplingTabl
     probs = torch.empty(rows, vocab_size, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return probs
-    meta = _run_passes(logits, slots, positions, tables, workspace, allowed_bitmask, draw=False)
+    meta = _run_passes(logits, slots, positions, tables, workspace, allowed_bitmask, draw=False, candidates=0)
     grid = (rows, meta["PARTS"])
     common = dict(CHUNK=meta["CHUNK"], BLOCK=meta["BLOCK"], PARTS=meta["PARTS"], PARTS_PAD=meta["PARTS_PAD"],
                   num_warps=workspace.config.num_warps)
@@ -507,7 +765,9 @@ def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tens
 
 
 def _run_passes(logits, slots, positions, tables: SamplingTables, workspace: SamplingWorkspace,
-                allowed_bitmask, draw: bool) -> dict:
+                allowed_bitmask, draw: bool, candidates: int) -> dict:
+    """prepare; with `candidates`, scan, compact and select (rows that fit their candidate list are then
+    done); every row's mode; the radix passes for the rest. `candidates` 0: every random row is radix."""
     rows, vocab_size = logits.shape
     config = workspace.config
     parts = config.parts(vocab_size)
@@ -524,10 +784,27 @@ def _run_passes(logits, slots, positions, tables: SamplingTables, workspace: Sam
         BIAS_WIDTH=tables.bias_ids.shape[1], **meta, num_warps=config.num_warps,
         enable_fp_fusion=False)          # w must be the reference's bit for bit: no fused multiply-adds
     meta["PARTS_PAD"] = triton.next_power_of_2(parts)
+    shape = dict(PARTS=parts, PARTS_PAD=meta["PARTS_PAD"], LEVELS=LEVELS)
+    if candidates:
+        _scan_kernel[grid](
+            w, w.stride(0), slots, tables.params, workspace.stats_value, workspace.scan, vocab_size,
+            CHUNK=config.chunk, SCAN_BLOCK=config.scan_block, **shape, num_warps=config.num_warps,
+            enable_fp_fusion=False)
+        _compact_kernel[grid](
+            w, w.stride(0), slots, tables.params, workspace.stats_value, workspace.tile_max, workspace.scan,
+            workspace.cand_value, workspace.cand_index, vocab_size, CHUNK=config.chunk, BLOCK=config.block,
+            **shape, CAPACITY=candidates, num_warps=config.num_warps, enable_fp_fusion=False)
+    _select_kernel[(rows,)](
+        slots, positions, tables.params, workspace.stats_value, workspace.scan, workspace.cand_value,
+        workspace.cand_index, workspace.row_mode, workspace.drawn, vocab_size, **shape, CAPACITY=candidates,
+        PAIR=config.pair_block, num_warps=config.num_warps, enable_fp_fusion=False)
+    radix_grid = (min(rows * parts, config.radix_programs),)
     for pass_index in range(1, NUM_PASSES):
-        _pass_kernel[grid](
-            w, w.stride(0), slots, positions, tables.params, workspace.stats_value, workspace.tile_max, workspace.hist, workspace.state, workspace.race_value, workspace.race_index,
-            pass_index, vocab_size, workspace.max_rows, DRAW=draw, **meta, num_warps=config.num_warps)
+        _pass_kernel[radix_grid](
+            w, w.stride(0), slots, positions, tables.params, workspace.stats_value, workspace.tile_max,
+            workspace.hist, workspace.state, workspace.race_value, workspace.race_index, workspace.row_mode,
+            pass_index, vocab_size, workspace.max_rows, rows, DRAW=draw, **meta,
+            ROWS_PAD=triton.next_power_of_2(rows), num_warps=config.num_warps)
     return meta
 
 
