@@ -106,6 +106,68 @@ def test_kernel_samples_what_the_reference_samples(kernel_device, dtype, steps, 
         assert torch.equal(pair[0].tables.output_counts, pair[1].tables.output_counts)
 
 
+# The candidate list's size: every row that can use it (the default), a few rows (8), none (0: radix only).
+@pytest.mark.parametrize("candidates", [1024, 8, 0])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_both_paths_sample_what_the_reference_samples_at_any_batch(kernel_device, candidates, rows):
+    """Rows through the candidate list and rows through the radix passes, side by side in batches of one
+    to 40 rows (more rows than a row has parts), draw the reference's tokens."""
+    from flare.kernels.sampling import MODE_CANDIDATES, MODE_GREEDY, MODE_RADIX, SamplingKernelConfig
+
+    generator = torch.Generator().manual_seed(rows)
+    params_list = [PARAMETER_SETS[i % len(PARAMETER_SETS)] for i in range(rows)]
+    kernel = DeviceSampler(rows, VOCAB, kernel_device, seed=3, use_triton=True,
+                           kernel_config=SamplingKernelConfig(**SMALL, candidates=candidates))
+    pair = (kernel, DeviceSampler(rows, VOCAB, kernel_device, seed=3, use_triton=False))
+    fill(pair, params_list, generator)
+    slots = torch.randperm(rows, generator=generator).to(kernel_device)
+    logits = batch_logits(rows, generator, kernel_device)
+    positions = torch.randint(0, 10_000, (rows,), generator=generator).to(kernel_device)
+    kernel_tokens, torch_tokens = (sampler.sample(logits, slots, positions) for sampler in pair)
+    assert kernel_tokens.tolist() == torch_tokens.tolist()
+    assert torch.equal(pair[0].tables.output_counts, pair[1].tables.output_counts)
+    modes = kernel._workspace.row_mode[:rows].tolist()
+    greedy = [params_list[int(slot)].temperature == 0 for slot in slots]
+    assert [mode == MODE_GREEDY for mode in modes] == greedy
+    radix = [mode == MODE_RADIX for mode in modes]
+    uncut = [not is_greedy and p.top_p == 1.0 and not 0 < p.top_k < VOCAB and p.min_p == 0.0      # draws from all
+             for p, is_greedy in ((params_list[int(slot)], g) for slot, g in zip(slots, greedy))]
+    if candidates == 0:
+        assert radix == [not is_greedy for is_greedy in greedy]
+    elif candidates == 1024:                # every row with a cut fits the list
+        assert radix == uncut
+    else:
+        assert all(r for r, u in zip(radix, uncut) if u)
+        if rows >= len(PARAMETER_SETS):
+            assert radix != uncut and MODE_CANDIDATES in modes
+
+
+def test_candidate_rows_keep_the_reference_threshold_ties(kernel_device):
+    """Coarse logits put whole tie groups at the top-k and top-p edges; the list keeps them all."""
+    from flare.kernels.sampling import MODE_CANDIDATES, SamplingKernelConfig
+
+    params_list = [SamplingParams(temperature=1.0, top_k=3, seed=1), SamplingParams(temperature=1.0, top_p=0.5, seed=2),
+                   SamplingParams(temperature=0.7, top_k=4, top_p=0.6, seed=3)]
+    rows = 3 * len(params_list)
+    kernel = DeviceSampler(rows, VOCAB, kernel_device, seed=0, use_triton=True,
+                           kernel_config=SamplingKernelConfig(**SMALL))
+    pair = (kernel, DeviceSampler(rows, VOCAB, kernel_device, seed=0, use_triton=False))
+    fill(pair, params_list * 3, torch.Generator().manual_seed(5))
+    logits = torch.zeros(rows, VOCAB)
+    logits[:, :12] = 2.0                                  # twelve tokens tied at the top
+    logits[:, 40:50] = 1.0
+    logits = logits.to(kernel_device)
+    slots = torch.arange(rows, device=kernel_device)
+    drawn = set()
+    for step in range(4):
+        positions = torch.full((rows,), step, device=kernel_device) + slots
+        kernel_tokens, torch_tokens = (sampler.sample(logits, slots, positions) for sampler in pair)
+        assert kernel_tokens.tolist() == torch_tokens.tolist()
+        drawn.update(kernel_tokens.tolist())
+        assert set(kernel._workspace.row_mode[:rows].tolist()) == {MODE_CANDIDATES}
+    assert len(drawn & set(range(3, 12))) > 0          # tokens past the k-th, in its tie group, are drawn
+
+
 def test_kernel_applies_the_allowed_token_mask_like_the_reference(kernel_device):
     generator = torch.Generator().manual_seed(1)
     params_list = PARAMETER_SETS[:8]
@@ -137,8 +199,10 @@ def test_kernel_target_probs_match_the_reference(kernel_device):
     assert ((kernel > 0).sum(dim=1) > 1).sum() >= 6              # real cuts, not one-hots only
 
 
-def test_kernel_tokens_depend_only_on_the_request(kernel_device):
-    """The same request gives the same tokens whatever else is in the batch and in whichever row it sits."""
+@pytest.mark.parametrize("candidates", [1024, 0])
+def test_kernel_tokens_depend_only_on_the_request(kernel_device, candidates):
+    """The same request gives the same tokens whatever else is in the batch and in whichever row it sits,
+    on the candidate path and on the radix passes."""
     from flare.kernels.sampling import SamplingKernelConfig
 
     generator = torch.Generator().manual_seed(3)
@@ -148,7 +212,7 @@ def test_kernel_tokens_depend_only_on_the_request(kernel_device):
     tokens = []
     for batch_size, row in ((1, 0), (5, 3)):
         sampler = DeviceSampler(8, VOCAB, kernel_device, seed=batch_size, use_triton=True,
-                                kernel_config=SamplingKernelConfig(**SMALL))
+                                kernel_config=SamplingKernelConfig(**SMALL, candidates=candidates))
         logits = batch_logits(batch_size, generator, kernel_device)
         logits[row] = row_logits[0]
         slots = []

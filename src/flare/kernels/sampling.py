@@ -118,7 +118,7 @@ class SamplingKernelConfig:
     chunk: int = 4096
     block: int = 1024
     num_warps: int = 4
-    candidates: int = 2048
+    candidates: int = 1024
     pair_block: int = 64
     radix_programs: int = 2048
 
@@ -797,7 +797,7 @@ def _run_passes(logits, slots, positions, tables: SamplingTables, workspace: Sam
     _select_kernel[(rows,)](
         slots, positions, tables.params, workspace.stats_value, workspace.scan, workspace.cand_value,
         workspace.cand_index, workspace.row_mode, workspace.drawn, vocab_size, **shape, CAPACITY=candidates,
-        PAIR=config.pair_block, num_warps=config.num_warps, enable_fp_fusion=False)
+        PAIR=config.pair_block, num_warps=8, enable_fp_fusion=False)        # one program per row: more warps
     radix_grid = (min(rows * parts, config.radix_programs),)
     for pass_index in range(1, NUM_PASSES):
         _pass_kernel[radix_grid](
