@@ -4,7 +4,9 @@
 For each vocabulary (llama-3's 128,256 and qwen3's 151,936 entries), batch (1, 8, 64, 256) and case,
 times, in milliseconds per call:
   kernel-graph   DeviceSampler.sample captured in a CUDA graph and replayed (as the decode graph runs it)
-  kernel-eager   DeviceSampler.sample called from Python (18 kernel launches)
+  kernel-eager   DeviceSampler.sample called from Python (21 kernel launches)
+  radix-graph    (--radix) the same with the candidate list off: every random row through the 16 radix
+                 passes, the algorithm before the candidate path
   sort-graph     the sort-based torch sampling (penalties from dense counts, temperature, full sort,
                  top-k, cumulative top-p, softmax, exponential race) on device tensors, in a CUDA graph
 Cases: default (temperature 0.6, top-p 0.9), topk20-topp0.95 (temperature 0.6), greedy, penalties
@@ -12,13 +14,15 @@ Cases: default (temperature 0.6, top-p 0.9), topk20-topp0.95 (temperature 0.6), 
 CUDA events around each call or replay, the median of --reps after warm-up; logits are
 N(0, --scale^2) fp32.
 
+Each line also says how many random rows the candidate path took (the rest took the radix passes).
 Before timing it checks the kernels against the torch reference on the GPU (fp32 and bf16 logits,
-every case plus min-p, logit bias and an allowed-token mask): tokens must be equal, and where one
-differs it reports how close the reference's race was there (a difference at a gap of a few ulps is
-exp/log rounding; anything else is a bug).
+every case plus min-p, logit bias and an allowed-token mask, with the candidate list and without):
+tokens must be equal, and where one differs it reports how close the reference's race was there (a
+difference at a gap of a few ulps is exp/log rounding; anything else is a bug).
 
     python3 benchmarks/sampling_bench.py --output $OUT/sampling_bench.json
     python3 benchmarks/sampling_bench.py --vocabs 128256 --batches 1,64 --sweep    # tiles too
+    python3 benchmarks/sampling_bench.py --radix --scale 1.3 --output $OUT/flat.json   # old vs new, flat logits
 """
 
 from __future__ import annotations
@@ -137,33 +141,45 @@ class SortPath:
 def check(vocabs: list[int], scale: float) -> list[dict]:
     """Kernel against reference on the GPU: equal tokens, and where not, the reference race's gap."""
     from flare.kernels import sampling_reference as reference
+    from flare.kernels.sampling import SamplingKernelConfig
 
     found = []
     params = (list(CASES.values()) + CHECK_EXTRA) * 4
-    for vocab in vocabs:
-        for dtype in (torch.float32, torch.bfloat16):
-            kernel, torch_path = device_sampler(params, vocab), device_sampler(params, vocab, use_triton=False)
-            rows = len(params)
-            generator = torch.Generator().manual_seed(vocab)
-            logits = (torch.randn(rows, vocab, generator=generator) * scale).to(dtype).cuda()
-            allowed = torch.rand(rows, vocab, generator=generator) < 0.5
-            allowed[:, 0] = True
-            mask = torch.stack([reference.pack_bits(r.nonzero()[:, 0].tolist(), vocab) for r in allowed]).cuda()
-            slots = torch.arange(rows, device="cuda")
-            positions = torch.randint(0, 100_000, (rows,), generator=generator).cuda()
-            for masked in (None, mask):
-                got = kernel.sample(logits, slots, positions, masked)
-                want = torch_path.sample(logits, slots, positions, masked)
-                differ = (got != want).nonzero()[:, 0].tolist()
-                gaps = [_race_gap(torch_path, logits, slots, positions, masked, row, int(got[row])) for row in differ]
-                probs_error = float((kernel.target_probs(logits, slots, masked)
-                                     - torch_path.target_probs(logits, slots, masked)).abs().max())
-                found.append(dict(vocab=vocab, dtype=str(dtype).removeprefix("torch."), masked=masked is not None,
-                                  rows=rows, differing_rows=differ, reference_race_gaps=gaps,
-                                  target_probs_max_abs_error=probs_error))
-                print(f"check V={vocab} {found[-1]['dtype']} mask={masked is not None}: {len(differ)}/{rows} rows "
-                      f"differ {gaps}, target_probs max error {probs_error:.2e}", flush=True)
+    for vocab, dtype, candidates in ((v, d, c) for v in vocabs for d in (torch.float32, torch.bfloat16)
+                                     for c in (SamplingKernelConfig().candidates, 0)):
+        kernel = device_sampler(params, vocab, SamplingKernelConfig(candidates=candidates))
+        torch_path = device_sampler(params, vocab, use_triton=False)
+        rows = len(params)
+        generator = torch.Generator().manual_seed(vocab)
+        logits = (torch.randn(rows, vocab, generator=generator) * scale).to(dtype).cuda()
+        allowed = torch.rand(rows, vocab, generator=generator) < 0.5
+        allowed[:, 0] = True
+        mask = torch.stack([reference.pack_bits(r.nonzero()[:, 0].tolist(), vocab) for r in allowed]).cuda()
+        slots = torch.arange(rows, device="cuda")
+        positions = torch.randint(0, 100_000, (rows,), generator=generator).cuda()
+        for masked in (None, mask):
+            got = kernel.sample(logits, slots, positions, masked)
+            on_list = candidate_rows(kernel, rows)
+            want = torch_path.sample(logits, slots, positions, masked)
+            differ = (got != want).nonzero()[:, 0].tolist()
+            gaps = [_race_gap(torch_path, logits, slots, positions, masked, row, int(got[row])) for row in differ]
+            probs_error = float((kernel.target_probs(logits, slots, masked)
+                                 - torch_path.target_probs(logits, slots, masked)).abs().max())
+            found.append(dict(vocab=vocab, dtype=str(dtype).removeprefix("torch."), masked=masked is not None,
+                              candidates=candidates, candidate_rows=on_list,
+                              rows=rows, differing_rows=differ, reference_race_gaps=gaps,
+                              target_probs_max_abs_error=probs_error))
+            print(f"check V={vocab} {found[-1]['dtype']} mask={masked is not None} candidates={candidates}: "
+                  f"{len(differ)}/{rows} rows differ {gaps}, {found[-1]['candidate_rows']} rows on the "
+                  f"candidate path, target_probs max error {probs_error:.2e}", flush=True)
     return found
+
+
+def candidate_rows(sampler: DeviceSampler, rows: int) -> int:
+    """How many of the last call's rows the candidate path sampled."""
+    from flare.kernels.sampling import MODE_CANDIDATES
+
+    return int((sampler._workspace.row_mode[:rows] == MODE_CANDIDATES).sum())
 
 
 def _race_gap(sampler, logits, slots, positions, mask, row, kernel_token) -> float:
@@ -181,10 +197,10 @@ def _race_gap(sampler, logits, slots, positions, mask, row, kernel_token) -> flo
     return float(score.max() - score[kernel_token]) if kept[0, kernel_token] else float("inf")
 
 
-def bench(vocabs, batches, reps, warmup, scale, sweep) -> list[dict]:
+def bench(vocabs, batches, reps, warmup, scale, sweep, radix) -> list[dict]:
     from flare.kernels.sampling import SamplingKernelConfig
 
-    configs = [SamplingKernelConfig()]
+    configs = [SamplingKernelConfig()] + ([SamplingKernelConfig(candidates=0)] if radix else [])
     if sweep:
         configs += [SamplingKernelConfig(chunk=4096, block=512), SamplingKernelConfig(chunk=8192, block=1024, num_warps=8),
                     SamplingKernelConfig(chunk=2048, block=512), SamplingKernelConfig(chunk=4096, block=2048, num_warps=8)]
@@ -200,20 +216,25 @@ def bench(vocabs, batches, reps, warmup, scale, sweep) -> list[dict]:
                 for config in configs:
                     sampler = device_sampler(params, vocab, config)
                     call = lambda: sampler.sample(logits, slots, positions)    # noqa: E731
-                    name = "" if config == configs[0] else f" {config.chunk}/{config.block}/{config.num_warps}w"
-                    timings["kernel-graph" + name] = time_calls(graphed(call), reps, warmup)
+                    if config.candidates == 0:
+                        name = "radix-graph"
+                    else:
+                        name = "kernel-graph" + ("" if config == configs[0] else
+                                                 f" {config.chunk}/{config.block}/{config.num_warps}w")
+                    timings[name] = time_calls(graphed(call), reps, warmup)
                     if config == configs[0]:
                         timings["kernel-eager"] = time_calls(call, reps, warmup)
+                        on_list = candidate_rows(sampler, batch)
                     del sampler
                 sort_path = SortPath(params, vocab)
                 timings["sort-graph"] = time_calls(graphed(lambda: sort_path(logits)), reps, warmup)
                 del sort_path
                 for method, samples in timings.items():
-                    results.append(dict(vocab=vocab, batch=batch, case=case, method=method,
+                    results.append(dict(vocab=vocab, batch=batch, case=case, method=method, candidate_rows=on_list,
                                         median_ms=statistics.median(samples), min_ms=min(samples),
                                         p90_ms=sorted(samples)[int(0.9 * (len(samples) - 1))], samples_ms=samples))
                 line = "  ".join(f"{m} {statistics.median(s):.3f}" for m, s in timings.items())
-                print(f"V={vocab} B={batch} {case}: {line}", flush=True)
+                print(f"V={vocab} B={batch} {case}: {line}  (candidate path: {on_list}/{batch} rows)", flush=True)
                 torch.cuda.empty_cache()
     return results
 
@@ -238,6 +259,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--scale", type=float, default=3.0, help="standard deviation of the random logits")
     parser.add_argument("--sweep", action="store_true", help="also time other kernel tilings (graph only)")
+    parser.add_argument("--radix", action="store_true", help="also time the radix passes alone (candidate list off)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
@@ -249,7 +271,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     started = time.time()
     checks = [] if args.skip_check else check(vocabs, args.scale)
-    results = bench(vocabs, batches, args.reps, args.warmup, args.scale, args.sweep)
+    results = bench(vocabs, batches, args.reps, args.warmup, args.scale, args.sweep, args.radix)
     print_table(results)
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%d"), commit=_commit(), command=" ".join(sys.argv),

@@ -232,11 +232,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("candidates", [1024, 0])
 @pytest.mark.parametrize("vocab", [128256, 151936])
-def test_full_vocabularies_match_the_reference_in_bfloat16(vocab):
+def test_full_vocabularies_match_the_reference_in_bfloat16(vocab, candidates):
+    from flare.kernels.sampling import SamplingKernelConfig
+
     generator = torch.Generator().manual_seed(7)
     rows = 2 * len(PARAMETER_SETS)
-    kernel = DeviceSampler(rows, vocab, "cuda", seed=1, use_triton=True)
+    kernel = DeviceSampler(rows, vocab, "cuda", seed=1, use_triton=True,
+                           kernel_config=SamplingKernelConfig(candidates=candidates))
     torch_path = DeviceSampler(rows, vocab, "cuda", seed=1, use_triton=False)
     for slot, params in enumerate(PARAMETER_SETS * 2):
         prompt = torch.randint(0, vocab, (64,), generator=generator).tolist()
