@@ -5,31 +5,52 @@ numbers are those of flare.kernels.sampling_reference, the torch reference these
 against. Per-request parameters come from device tables indexed by slot (`SamplingTables`), so a step
 builds nothing on the host and the whole call can be captured in a CUDA graph.
 
-How the thresholds are found without a sort. Every processed logit w has a 32-bit key whose unsigned
-order is the float order. The k-th largest key (top-k) and the key where the head's probability mass
-reaches top_p (top-p) are found by radix select, 4 bits a pass from the top: a pass histograms the
-keys' next digit over the candidates that match the digits chosen so far (counts for top-k, masses
-exp(x) for top-p), and the next pass picks the bin where the running count (mass) from the top reaches
-k (top_p * mass); eight passes fix a key exactly. Then each kept token gets x + g with g a Gumbel
-variate, and the largest wins (the exponential race: an exact draw from the renormalised kept mass).
+Every cut is a threshold on w (min-p on x, top-k and top-p on w), so a row keeps an upper set of its
+tokens, and two paths find it:
+
+The candidate path (rows that keep few tokens: a peaked distribution or a small top-k). A scan counts, the
+per part, finite tokens at x >= -2, -4, ..., -16 (x = (w - max w) / temperature) and their min-p mass. The highest
+level that must hold every token the row may keep -- at least k tokens for top-k, at least top_p of the
+min-p mass for top-p, a level at or below the min-p cut otherwise -- and has at most `candidates`
+tokens is compacted into the row's list, in token order. One program per row then finds the top-k
+threshold (the largest value with k tokens at or above it) and the top-p threshold (the largest kept
+value whose head holds top_p of the mass) by counting and summing over all pairs of the list, and runs
+the race over the list alone: the work per token of the vocabulary is the prepare pass and the scan,
+whatever the batch.
+
+The radix passes (rows without a cut, or whose kept tokens do not fit the list). Every processed logit w
+has a 32-bit key whose unsigned order is the float order. The k-th largest key (top-k) and the key where
+the head's probability mass reaches top_p (top-p) are found by radix select, 4 bits a pass from the top:
+a pass histograms the keys' next digit over the candidates that match the digits chosen so far (counts
+for top-k, masses exp(x) for top-p), and the next pass picks the bin where the running count (mass) from
+the top reaches k (top_p * mass); eight passes fix a key exactly. Then each kept token gets x + g with g
+a Gumbel variate, and the largest wins (the exponential race: an exact draw from the renormalised kept
+mass). Both paths draw with the same variates, so they give the same token up to float summation order.
 
 Why 4 bits a pass: Triton has no weighted shared-memory histogram, so a pass costs a compare, a select
 and an add per element per bin. 2^b bins and 32 / b passes cost 2^b * 32 / b per element: b = 8 gives
 1024, b = 4 gives 128, b = 2 gives 64 but 16 launches per threshold. At batch 1 the launches dominate
 (the 512 KB of fp32 logits sit in L2), at batch 256 the per-element work does; b = 4 balances the two.
 
-Passes (one launch each, grid = rows x parts; each part owns CHUNK consecutive tokens of its row):
-    0       prepare: w from the logits (penalties, bias, mask) into the workspace, each part's max and
+Launches (grid rows x parts unless said; each part owns CHUNK consecutive tokens of its row):
+    prepare w from the logits (penalties, bias, mask) into the workspace, each part's max and
             argmax, each tile's largest key, and for top-k rows the histogram of digit 0
-    1..16   each pass first decides the previous pass's digit from the parts' histograms (every part
-            computes the same decision; part 0 records it), then does its own work for the row:
+    scan    the candidate levels' counts and masses
+    compact the chosen level's tokens into the row's list
+    select  one program per row: the row's mode (greedy, candidates, radix); for candidate rows the
+            thresholds and the race
+    1..16   radix passes, on a fixed grid that walks the (row, part) items of radix rows only (every
+            program stops after one read of the modes when there are none). Each pass first decides
+            the previous pass's digit from the parts' histograms (every part computes the same
+            decision; part 0 records it), then does its own work for the row:
               top-k rows: digits 1..7 in passes 1..7
               top-p rows: digits 0..7 in passes 1..8, or 8..15 after a top-k
               the draw in the pass after the last digit (pass 1 for rows with neither)
-    finish  one program per row: the token (the race's winner, or the argmax for greedy rows and rows
-            that keep nothing), and one more output count for penalty slots
-A row whose thresholds are known early does nothing in later passes; a tile whose largest key is
-below the current bucket is skipped without being read.
+    finish  one program per row: the token (the list's winner, the race's winner, or the argmax for
+            greedy rows and rows that keep nothing), and one more output count for penalty slots
+A radix row whose thresholds are known early does nothing in later passes; a tile whose largest key is
+below the current bucket is skipped without being read. target_probs (speculation) takes the radix
+passes for every random row.
 
 Exactness: the prepare kernel rounds every operation as torch does (correctly rounded division, no
 fused multiply-adds), so w, the keys, top-k and min-p match the reference bit for bit; masses and the
@@ -37,8 +58,9 @@ Gumbel variates go through exp/log, whose last bits differ between implementatio
 reference can disagree only where a threshold or the race is decided within a few ulps.
 
 Determinism: counts are integers; masses are float32 sums in a fixed order (tiles of a part in turn,
-then parts 0..P-1), and the split of a row into parts depends only on the vocabulary size, never on
-the batch. So a row's token depends only on its logits, its slot's parameters and its position.
+then parts 0..P-1; the list's pairs block by block), and the split of a row into parts, the levels and
+the list's size depend only on the vocabulary size and the config, never on the batch. So a row's path
+and token depend only on its logits, its slot's parameters and its position.
 
 Shapes:
     logits          [N, V] float32/bfloat16/float16, last dim contiguous
