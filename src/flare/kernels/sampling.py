@@ -8,9 +8,9 @@ builds nothing on the host and the whole call can be captured in a CUDA graph.
 Every cut is a threshold on w (min-p on x, top-k and top-p on w), so a row keeps an upper set of its
 tokens, and two paths find it:
 
-The candidate path (rows that keep few tokens: a peaked distribution or a small top-k). A scan counts, the
-per part, finite tokens at x >= -2, -4, ..., -16 (x = (w - max w) / temperature) and their min-p mass. The highest
-level that must hold every token the row may keep -- at least k tokens for top-k, at least top_p of the
+The candidate path (rows that keep few tokens: a peaked distribution or a small top-k). A scan counts,
+per part, the finite tokens at x >= -2, -4, ..., -16 (x = (w - max w) / temperature) and their min-p
+mass. The highest level that must hold every token the row may keep -- at least k tokens for top-k, at least top_p of the
 min-p mass for top-p, a level at or below the min-p cut otherwise -- and has at most `candidates`
 tokens is compacted into the row's list, in token order. One program per row then finds the top-k
 threshold (the largest value with k tokens at or above it) and the top-p threshold (the largest kept
