@@ -325,8 +325,8 @@ def _prepare_kernel(
 @triton.jit
 def _tile_max_value(tile_max_ptr, index):
     """The largest w of a tile, from its stored key (a tile with nothing in range reads as NaN)."""
-    key = tl.load(tile_max_ptr + index).to(tl.uint32, bitcast=True)
-    bits = tl.where(key >= 0x80000000, key ^ 0x80000000, ~key)
+    key = tl.load(tile_max_ptr + index)                 # int32 bits: negative where the float is >= +0
+    bits = tl.where(key < 0, key & 0x7FFFFFFF, ~key)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -426,6 +426,7 @@ def _compact_kernel(
                 w = tl.load(w_ptr + row.to(tl.int64) * stride_w + offs, mask=offs < V, other=float("-inf"))
                 chosen = (w > float("-inf")) & ((w - w_max) * inv_t >= edge)
                 at = filled + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+                chosen = chosen & (at < CAPACITY)           # always, as the scan counted the same tokens
                 tl.store(cand_value_ptr + row * CAPACITY + at, w, mask=chosen)
                 tl.store(cand_index_ptr + row * CAPACITY + at, offs, mask=chosen)
                 filled += tl.sum(chosen.to(tl.int32), axis=0)
@@ -450,10 +451,10 @@ def _select_kernel(
     has_p = is_random & (top_p < 1.0)
     log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
     mode = tl.where(is_random, _MODE_RADIX, _MODE_GREEDY)
-    if is_random & (CAPACITY > 0):
+    if CAPACITY > 0:
         level, count, total = _choose_level(scan_ptr, row, has_k, has_p, top_k, top_p, log_min_p,
                                             PARTS, PARTS_PAD, LEVELS, CAPACITY)
-        if level >= 0:
+        if is_random & (level >= 0):
             parts = tl.arange(0, PARTS_PAD)
             w_max = tl.max(tl.load(stats_value_ptr + row * PARTS + parts, mask=parts < PARTS,
                                    other=float("-inf")), axis=0)
