@@ -17,7 +17,7 @@ from flare.kernels import sampling_reference as reference
 
 VOCAB = 96
 # Tiles of 32 tokens, 64 tokens per program: a row spans 2 programs, the second with one tile in range.
-SMALL = dict(chunk=64, block=32)
+SMALL = dict(chunk=64, block=32, candidate_min_rows=1)     # the candidate path at every batch size
 
 # (counter words, key words) -> output words: Random123's tests/kat_vectors, philox4x32 10.
 PHILOX_KNOWN_ANSWERS = [
@@ -240,7 +240,7 @@ def test_full_vocabularies_match_the_reference_in_bfloat16(vocab, candidates):
     generator = torch.Generator().manual_seed(7)
     rows = 2 * len(PARAMETER_SETS)
     kernel = DeviceSampler(rows, vocab, "cuda", seed=1, use_triton=True,
-                           kernel_config=SamplingKernelConfig(candidates=candidates))
+                           kernel_config=SamplingKernelConfig(candidates=candidates, candidate_min_rows=1))
     torch_path = DeviceSampler(rows, vocab, "cuda", seed=1, use_triton=False)
     for slot, params in enumerate(PARAMETER_SETS * 2):
         prompt = torch.randint(0, vocab, (64,), generator=generator).tolist()
@@ -277,3 +277,23 @@ def test_sampling_replays_in_a_cuda_graph():
         graph.replay()
         assert tokens.tolist() == eager.sample(logits, slots, positions).tolist()
         assert torch.equal(captured.tables.output_counts, eager.tables.output_counts)
+
+
+def test_batches_below_the_candidate_threshold_take_the_radix_passes(kernel_device):
+    from flare.kernels.sampling import MODE_CANDIDATES, MODE_RADIX, SamplingKernelConfig
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=3)
+    results = {}
+    for rows in (2, 4):
+        sampler = DeviceSampler(rows, 256, kernel_device, seed=1, use_triton=True,
+                                kernel_config=SamplingKernelConfig(chunk=64, block=32, candidate_min_rows=4))
+        for slot in range(rows):
+            sampler.add(slot, params, [1, 2, 3], [])
+        logits = torch.zeros(rows, 256, device=kernel_device)
+        logits[:, 7] = 20.0                                    # one token holds the mass: a candidate row
+        slots = torch.arange(rows, device=kernel_device)
+        sampler.sample(logits, slots, torch.full_like(slots, 3))
+        results[rows] = set(sampler._workspace.row_mode[:rows].tolist())
+    assert results == {2: {MODE_RADIX}, 4: {MODE_CANDIDATES}}
+    with pytest.raises(ValueError, match="candidate_min_rows must be 1 or more"):
+        SamplingKernelConfig(candidate_min_rows=0)
