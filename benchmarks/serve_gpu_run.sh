@@ -165,6 +165,10 @@ bench() {   # name, then serve_bench arguments
     --vocab-size "$VOCAB" --seed $((BENCH_CALLS * 100003)) --output "$OUT/$name.json" "$@" 2>&1 | tail -8
   "$PY" -c 'import json, sys; [print("errors:", level["errors"]) for level in json.load(open(sys.argv[1]))["levels"]
             if level.get("errors")]' "$OUT/$name.json" 2>/dev/null | cut -c1-600
+  # The engine's counters after the phase: Triton kernels built while serving (a build stalls its step), ...
+  curl -sf "http://127.0.0.1:$PORT/v1/engine/stats" -o "$OUT/$name.engine.json" && "$PY" -c 'import json, sys
+s = json.load(open(sys.argv[1])); print("kernels built while serving so far:", s.get("kernel_builds"), "(%s s)" % s.get("kernel_build_seconds"))' \
+    "$OUT/$name.engine.json"
 }
 restart_s=
 SAMPLING=${SAMPLING:---temperature 0.6 --top-p 0.9}

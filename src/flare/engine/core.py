@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from flare.engine.config import EngineConfig
+from flare.engine.kernel_builds import KernelBuilds
 from flare.engine.kv_cache import KVCacheIntegrityError, PageAllocator
 from flare.engine.outputs import CoreOutput
 from flare.engine.request import EngineRequest, Request, RequestStatus, check_stop
@@ -94,6 +95,10 @@ class EngineStats:
     draft_tokens_accepted: int = 0
     draft_tokens_proposed_by_position: tuple[int, ...] = ()
     draft_tokens_accepted_by_position: tuple[int, ...] = ()
+    # Triton kernels built since serving started (flare.engine.kernel_builds), counters: how many, and the
+    # seconds they took, which the steps that launched them waited.
+    kernel_builds: int = 0
+    kernel_build_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,7 @@ class EngineCore:
             drafter = HistoryDrafter()
         self.drafter = drafter
         self.speculation = SpeculationCounters(speculation.draft_tokens)
+        self.kernel_builds = KernelBuilds()            # counts once the core process starts serving
         # Steps are planned with drafts: from the drafter, or proposed by the runner's draft model.
         self._speculates = speculation.draft_tokens > 0 and (drafter is not None or speculation.draft_model)
         self.widths = VerificationWidth(speculation.draft_tokens, speculation.adaptive, speculation.alpha,
@@ -286,6 +292,7 @@ class EngineCore:
             num_computed_tokens=self._num_computed_tokens,
             max_step_ms=self.config.scheduler_policy.max_step_ms or 0.0,
             page_integrity=self._integrity() if check_integrity else "unchecked",
+            kernel_builds=self.kernel_builds.count, kernel_build_seconds=round(self.kernel_builds.seconds, 3),
             **self.speculation.stats())
 
     def _integrity(self) -> str:

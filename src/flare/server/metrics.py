@@ -39,6 +39,8 @@ ENGINE_COUNTERS = (
     ("flare_spec_decode_rounds", "speculative_rounds", "Verification rounds: a request's step that carried drafts"),
     ("flare_spec_decode_draft_tokens", "draft_tokens_proposed", "Draft tokens verified"),
     ("flare_spec_decode_accepted_tokens", "draft_tokens_accepted", "Draft tokens accepted"),
+    ("flare_kernel_builds", "kernel_builds", "Triton kernels built while serving (each stalls its step)"),
+    ("flare_kernel_build_seconds", "kernel_build_seconds", "Seconds spent building Triton kernels while serving"),
 )
 # Per draft position (label position="0" for the first draft of a round).
 ENGINE_POSITION_COUNTERS = (

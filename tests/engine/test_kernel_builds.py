@@ -1,0 +1,54 @@
+"""Kernels Triton builds while serving are counted with their seconds (a build stalls the step that
+launched it), through Triton's compile hooks, in front of any hook already set."""
+
+from __future__ import annotations
+
+import pytest
+
+from flare.engine.kernel_builds import KernelBuilds
+
+knobs = pytest.importorskip("triton").knobs
+
+
+@pytest.fixture
+def hooks():
+    runtime = knobs.runtime
+    saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    yield runtime
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
+
+
+def test_a_build_is_counted_with_its_seconds_and_earlier_hooks_still_run(hooks, monkeypatch):
+    seen = []
+    hooks.jit_cache_hook = lambda **kwargs: seen.append(("before", kwargs["key"]))
+    hooks.jit_post_compile_hook = lambda **kwargs: seen.append(("after", kwargs["key"]))
+    clock = iter([10.0, 10.75])
+    monkeypatch.setattr("flare.engine.kernel_builds.time.perf_counter", lambda: next(clock))
+    builds = KernelBuilds()
+    assert builds.watch() and builds.watching
+    assert not hooks.jit_cache_hook(key=("kernel", 1))          # the build goes ahead
+    hooks.jit_post_compile_hook(key=("kernel", 1))
+    assert (builds.count, builds.seconds) == (1, 0.75)
+    assert seen == [("before", ("kernel", 1)), ("after", ("kernel", 1))]
+
+
+def test_an_earlier_hook_that_skips_a_build_is_obeyed(hooks):
+    hooks.jit_cache_hook = lambda **kwargs: True
+    hooks.jit_post_compile_hook = None
+    builds = KernelBuilds()
+    builds.watch()
+    assert hooks.jit_cache_hook(key=["unhashable"]) is True
+    assert builds.count == 0
+
+
+def test_the_engine_reports_its_builds(hooks):
+    from flare.engine.config import EngineConfig
+    from flare.engine.core import EngineCore
+    from fake_runner import FakeRunner
+
+    core = EngineCore(EngineConfig(max_concurrency=2, page_size=16, num_pages=8, max_model_len=64), FakeRunner(16))
+    assert (core.stats().kernel_builds, core.stats().kernel_build_seconds) == (0, 0.0)
+    core.kernel_builds.watch()
+    hooks.jit_cache_hook(key="k")
+    hooks.jit_post_compile_hook(key="k")
+    assert core.stats().kernel_builds == 1
