@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = tokenizer.decoder(skip_special_tokens)
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0                  # window start: context already shown
         self.read_offset = len(self.tokens)     # tokens before this are shown as text
@@ -35,6 +36,3 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
         return text[len(shown):]
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
