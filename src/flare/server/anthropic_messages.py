@@ -228,6 +228,13 @@ async def _stream(gen, body, message_id, ids, params, reader: ReplyReader) -> As
     yield event("message_stop")
 
 
+def delta_event(index: int, kind: str, field: str, text: str) -> str:
+    """The content_block_delta event of a text or thinking piece, from a template: the same bytes as
+    `sse.named_event({"type": "content_block_delta", "index": index, "delta": {"type": kind, field: text}})`."""
+    return (f'event: content_block_delta\ndata: {{"type":"content_block_delta","index":{index:d},'
+            f'"delta":{{"type":"{kind}","{field}":{sse.json_string(text)}}}}}\n\n')
+
+
 class _Blocks:
     """The thinking and text blocks of a streamed message: one open at a time, in order."""
 
@@ -240,16 +247,14 @@ class _Blocks:
         if not text:
             return []
         lines = self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-        return lines + [self.event("content_block_delta", index=self.count - 1,
-                                   delta={"type": "thinking_delta", "thinking": text})]
+        return lines + [delta_event(self.count - 1, "thinking_delta", "thinking", text)]
 
     def text(self, text: str, force: bool = False) -> list[str]:
         if not text and not force:
             return []
         lines = self._start("text", {"type": "text", "text": ""})
         if text:
-            lines.append(self.event("content_block_delta", index=self.count - 1,
-                                    delta={"type": "text_delta", "text": text}))
+            lines.append(delta_event(self.count - 1, "text_delta", "text", text))
         return lines
 
     def close(self) -> list[str]:

@@ -325,13 +325,18 @@ class Generation:
         task and a queue between the engine and the response would cost two more task switches per token.
         """
         if len(prompts) == 1:
-            alone = self._stream_alone(request_id, prompts[0], params[0])
+            outputs = self.stream_one(f"{request_id}-0", prompts[0], params[0])
             try:
-                async for output in alone:
+                while True:
+                    try:
+                        output = await outputs.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except Exception as error:      # engine failures, as the consumer sees them
+                        raise _engine_error(error) from error
                     yield 0, output
             finally:
-                await alone.aclose()                # now, not when the collector finds it
-            return
+                await outputs.aclose()              # now (aborting the request if it still runs)
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
@@ -361,22 +366,6 @@ class Generation:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _stream_alone(self, request_id: str, prompt_ids: Sequence[int],
-                            params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """`stream` of one sequence: the same request id, outputs and errors, without a task."""
-        outputs = self.stream_one(f"{request_id}-0", prompt_ids, params)
-        try:
-            while True:
-                try:
-                    output = await outputs.__anext__()
-                except StopAsyncIteration:
-                    return
-                except Exception as error:          # engine failures, as the consumer sees them
-                    raise _engine_error(error) from error
-                yield output
-        finally:
-            await outputs.aclose()                  # aborts the request if it is still running
 
     async def complete(self, request_id: str, prompts: Sequence[Sequence[int]],
                        params: Sequence[SamplingParams]) -> list[Completion]:

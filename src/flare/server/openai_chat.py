@@ -166,8 +166,10 @@ async def _stream(gen, body, request_id, ids, params, logprobs, echo_text, reade
         if reasoning:
             yield delta(index, {"reasoning_content": reasoning})
         if text or output.new_logprobs:
-            lp = chat_logprobs(gen.frontend, output.new_logprobs, logprobs) if logprobs is not None else None
-            yield delta(index, {"content": text}, lp)
+            if logprobs is None:
+                yield chunk.content(index, text)
+            else:
+                yield delta(index, {"content": text}, chat_logprobs(gen.frontend, output.new_logprobs, logprobs))
         if output.finished:
             rest = splitters[index].finish()
             if rest.reasoning:

@@ -47,11 +47,26 @@ class StreamChunks:
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # Every chunk starts with the same fields: encoded once, the rest of a chunk is encoded per token.
         self._head = "data: " + sse.dumps(self.base)[:-1] + ',"choices":'
+        self._tail = ',"system_fingerprint":null' + (',"usage":null' if self.include_usage else "") + "}\n\n"
 
     def __call__(self, choices: list[dict], usage_value: Any = None) -> str:
         """`sse.data_event` of {**base, choices, system_fingerprint: None[, usage]}, byte for byte."""
+        if usage_value is None:
+            return self._head + sse.dumps(choices) + self._tail
         tail = ',"system_fingerprint":null' + (',"usage":' + sse.dumps(usage_value) if self.include_usage else "")
         return self._head + sse.dumps(choices) + tail + "}\n\n"
+
+    # The chunk of nearly every token, from a template (the same bytes as through __call__).
+
+    def text(self, index: int, text: str) -> str:
+        """Completions: one choice's text, no logprobs, not finished."""
+        return (f'{self._head}[{{"index":{index:d},"text":{sse.json_string(text)},"logprobs":null,'
+                f'"finish_reason":null,"stop_reason":null}}]{self._tail}')
+
+    def content(self, index: int, text: str) -> str:
+        """Chat Completions: one choice's content delta, no logprobs, not finished."""
+        return (f'{self._head}[{{"index":{index:d},"delta":{{"content":{sse.json_string(text)}}},'
+                f'"logprobs":null,"finish_reason":null}}]{self._tail}')
 
 
 def requested_sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,

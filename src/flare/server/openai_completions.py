@@ -160,7 +160,10 @@ async def _stream(gen, body, request_id, prompts, jobs) -> AsyncIterator[str]:
             echoed[index] = True
         if body.logprobs is not None:
             logprobs = _merge(logprobs, builders[index].build(output.new_logprobs, output.new_token_ids))
-        if text or output.new_token_ids or output.finished:
+        if logprobs is None and not output.finished:
+            if text or output.new_token_ids:
+                yield chunk.text(index, text)
+        elif text or output.new_token_ids or output.finished:
             yield chunk([{"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": output.finish_reason if output.finished else None,
                           "stop_reason": output.stop_reason if output.finished else None}])
