@@ -175,8 +175,7 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
         plan = msgspec.structs.replace(plan, step_costs=step_cost_table(prepared.step_costs))
     if prepared is not None and prepared.prompt_graphs is not None:
         plan = msgspec.structs.replace(plan, prompt_graph_sizes=prepared.prompt_graphs.sizes,
-                                       prompt_graph_bytes=prepared.prompt_graphs.capture_bytes
-                                       if prepared.prompt_graphs.sizes else 0)
+                                       prompt_graph_bytes=prepared.prompt_graphs.capture_bytes)
     reuse_from = _reuse_source(cache, recipe, options) if options.weight_mode == "reuse-weights" else None
     with progress.phase("Export package") as phase:
         counts = {"written": 0, "reused": 0, "bytes": 0}

@@ -111,16 +111,23 @@ class PromptGraphs:
         size = bucket_for(count, self.sizes)
         if size is None or count == 0:
             raise ValueError(f"a step of {count} tokens is outside the prompt graphs (1 to {self.max_tokens})")
+        if not self.capture:
+            return self.run_eager(input_ids, positions, meta)
         self.input_ids[:count].copy_(input_ids)
         self.positions[:count].copy_(positions)
-        if not self.capture:
-            return self._forward(size, self._attend_now(count, meta))[:count]
         stretches = self.stretches[size]
         stretches[0].replay()
         for call, stretch in zip(self.calls[size], stretches[1:], strict=True):
             self._attend(call, count, meta)
             stretch.replay()
         return self.hidden[size][:count]
+
+    def run_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The step padded to its bucket and run eagerly on the static buffers: what a replay computes."""
+        count = input_ids.shape[0]
+        self.input_ids[:count].copy_(input_ids)
+        self.positions[:count].copy_(positions)
+        return self._forward(bucket_for(count, self.sizes), self._attend_now(count, meta))[:count]
 
     def _attend(self, call: AttentionCall, count: int, meta) -> None:
         """One layer's attention over the real rows of the static query, key and value."""
@@ -286,9 +293,7 @@ def _check_bucket(graphs: PromptGraphs, model, size: int, pages: Sequence[int], 
     input_ids = torch.randint(3, vocab_size, (count,), generator=generator, device=device)
     positions = meta.positions()
     unpadded = model(input_ids, positions, graphs.kv_caches, meta).float()
-    graphs.input_ids[:count].copy_(input_ids)
-    graphs.positions[:count].copy_(positions)
-    padded = graphs._forward(bucket_for(count, graphs.sizes), graphs._attend_now(count, meta))[:count].float()
+    padded = graphs.run_eager(input_ids, positions, meta).float()
     replayed = graphs.run(input_ids, positions, meta).float()
     return BucketError(_relative(replayed, padded), _relative(padded, unpadded))
 

@@ -374,6 +374,16 @@ def _scan_kernel(
 
 
 @triton.jit
+def _row_cuts(params):
+    """A row's parameter record read for the candidate path: random (else greedy), top-k, top-p, log min-p."""
+    is_random = (tl.load(params + _F_FLAGS) & _RANDOM) != 0
+    top_k = tl.load(params + _F_TOP_K)
+    top_p = tl.load(params + _F_TOP_P).to(tl.float32, bitcast=True)
+    log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
+    return is_random, top_k, top_p, log_min_p
+
+
+@triton.jit
 def _choose_level(scan_ptr, row, has_k, has_p, top_k, top_p, log_min_p,
                   PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, LEVELS: tl.constexpr, CAPACITY: tl.constexpr):
     """The highest level whose tokens hold every token the row may keep, if at most CAPACITY: (level or
@@ -408,11 +418,7 @@ def _compact_kernel(
     row = tl.program_id(0)
     part = tl.program_id(1)
     params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
-    flags = tl.load(params + _F_FLAGS)
-    is_random = (flags & _RANDOM) != 0
-    top_k = tl.load(params + _F_TOP_K)
-    top_p = tl.load(params + _F_TOP_P).to(tl.float32, bitcast=True)
-    log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
+    is_random, top_k, top_p, log_min_p = _row_cuts(params)
     level, count, total = _choose_level(scan_ptr, row, is_random & (top_k > 0), is_random & (top_p < 1.0), top_k,
                                         top_p, log_min_p, PARTS, PARTS_PAD, LEVELS, CAPACITY)
     if is_random & (level >= 0):
@@ -448,13 +454,9 @@ def _select_kernel(
     candidates (top-k and top-p thresholds by counting and summing over all pairs, PAIR x PAIR at a time)."""
     row = tl.program_id(0)
     params = params_ptr + tl.load(slots_ptr + row) * _NUM_FIELDS
-    flags = tl.load(params + _F_FLAGS)
-    is_random = (flags & _RANDOM) != 0
-    top_k = tl.load(params + _F_TOP_K)
-    top_p = tl.load(params + _F_TOP_P).to(tl.float32, bitcast=True)
+    is_random, top_k, top_p, log_min_p = _row_cuts(params)
     has_k = is_random & (top_k > 0)
     has_p = is_random & (top_p < 1.0)
-    log_min_p = tl.load(params + _F_LOG_MIN_P).to(tl.float32, bitcast=True)
     mode = tl.where(is_random, _MODE_RADIX, _MODE_GREEDY)
     if CAPACITY > 0:
         level, count, total = _choose_level(scan_ptr, row, has_k, has_p, top_k, top_p, log_min_p,

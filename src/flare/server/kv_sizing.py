@@ -6,9 +6,10 @@ served model brings: device memory, the reserve or `--memory-limit`, bytes per c
 `kv_bytes_per_token`), and the prepared context and concurrency.
 
 `--kv-cache-limit memory` (the default) gives KV pages what the GPU has free after the weights, graphs (the
-prompt graphs' capture as export measured it, since they are captured after the pages) and scratch for the step's token budget, per-request live state, the engine's headroom and the reserve (or
-within `--memory-limit`); `context` and `concurrency` cap the pool at one
-prepared context, or one per active request. Without a GPU the sizing runs against host memory, where
+prompt graphs' capture as export measured it, since they are captured after the pages) and scratch for the
+step's token budget, per-request live state, the engine's headroom and the reserve (or within
+`--memory-limit`); `context` and `concurrency` cap the pool at one prepared context, or one per active
+request. Without a GPU the sizing runs against host memory, where
 filling RAM with pages would help nobody: there the pool stops at one context per active request.
 """
 
