@@ -167,7 +167,9 @@ bench() {   # name, then serve_bench arguments
             if level.get("errors")]' "$OUT/$name.json" 2>/dev/null | cut -c1-600
   # The engine's counters after the phase: Triton kernels built while serving (a build stalls its step), ...
   curl -sf "http://127.0.0.1:$PORT/v1/engine/stats" -o "$OUT/$name.engine.json" && "$PY" -c 'import json, sys
-s = json.load(open(sys.argv[1])); print("kernels built while serving so far:", s.get("kernel_builds"), "(%s s)" % s.get("kernel_build_seconds"))' \
+s = json.load(open(sys.argv[1])); print("kernels built while serving so far:", s.get("kernel_builds"), "(%s s)" % s.get("kernel_build_seconds"))
+for name in s.get("kernel_builds_recent") or ():
+    print("  built:", name[:200])' \
     "$OUT/$name.engine.json"
 }
 restart_s=

@@ -3,6 +3,8 @@ launched it), through Triton's compile hooks, in front of any hook already set."
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from flare.engine.kernel_builds import KernelBuilds
@@ -24,11 +26,14 @@ def test_a_build_is_counted_with_its_seconds_and_earlier_hooks_still_run(hooks, 
     hooks.jit_post_compile_hook = lambda **kwargs: seen.append(("after", kwargs["key"]))
     clock = iter([10.0, 10.75])
     monkeypatch.setattr("flare.engine.kernel_builds.time.perf_counter", lambda: next(clock))
-    builds = KernelBuilds()
+    log = io.StringIO()
+    builds = KernelBuilds(report_to=log)
     assert builds.watch() and builds.watching
     assert not hooks.jit_cache_hook(key=("kernel", 1))          # the build goes ahead
-    hooks.jit_post_compile_hook(key=("kernel", 1))
+    hooks.jit_post_compile_hook(key=("kernel", 1), repr="_decode_kernel[num_warps=4](seq_lens: *i32, n: i32)")
     assert (builds.count, builds.seconds) == (1, 0.75)
+    assert builds.recent == ["_decode_kernel[num_warps=4](seq_lens: *i32, n: i32)"]
+    assert "(0.75 s; the step waited): _decode_kernel[num_warps=4](seq_lens: *i32, n: i32)" in log.getvalue()
     assert seen == [("before", ("kernel", 1)), ("after", ("kernel", 1))]
 
 
@@ -50,5 +55,6 @@ def test_the_engine_reports_its_builds(hooks):
     assert (core.stats().kernel_builds, core.stats().kernel_build_seconds) == (0, 0.0)
     core.kernel_builds.watch()
     hooks.jit_cache_hook(key="k")
-    hooks.jit_post_compile_hook(key="k")
+    hooks.jit_post_compile_hook(key="k", repr="k[num_warps=8]()")
     assert core.stats().kernel_builds == 1
+    assert core.stats().kernel_builds_recent == ("k[num_warps=8]()",)

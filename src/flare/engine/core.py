@@ -96,9 +96,10 @@ class EngineStats:
     draft_tokens_proposed_by_position: tuple[int, ...] = ()
     draft_tokens_accepted_by_position: tuple[int, ...] = ()
     # Triton kernels built since serving started (flare.engine.kernel_builds), counters: how many, and the
-    # seconds they took, which the steps that launched them waited.
+    # seconds they took, which the steps that launched them waited; the latest ones' names.
     kernel_builds: int = 0
     kernel_build_seconds: float = 0.0
+    kernel_builds_recent: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ class EngineCore:
             max_step_ms=self.config.scheduler_policy.max_step_ms or 0.0,
             page_integrity=self._integrity() if check_integrity else "unchecked",
             kernel_builds=self.kernel_builds.count, kernel_build_seconds=round(self.kernel_builds.seconds, 3),
+            kernel_builds_recent=tuple(self.kernel_builds.recent),
             **self.speculation.stats())
 
     def _integrity(self) -> str:

@@ -528,7 +528,9 @@ def _select_kernel(
 
 # -- passes 1..16 -----------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["pass_index"])
+# The row count varies from step to step outside the decode graphs (steps carrying prompts sample any number
+# of rows): neither specialized nor a block size of its own, so serving compiles no variant per row count.
+@triton.jit(do_not_specialize=["pass_index", "rows"])
 def _pass_kernel(
     w_ptr, stride_w, slots_ptr, positions_ptr, params_ptr, stats_value_ptr, tile_max_ptr, hist_ptr,
     state_ptr, race_value_ptr, race_index_ptr, mode_ptr,
@@ -835,7 +837,7 @@ def _run_passes(logits, slots, positions, tables: SamplingTables, workspace: Sam
             w, w.stride(0), slots, positions, tables.params, workspace.stats_value, workspace.tile_max,
             workspace.hist, workspace.state, workspace.race_value, workspace.race_index, workspace.row_mode,
             pass_index, vocab_size, workspace.max_rows, rows, DRAW=draw, **meta,
-            ROWS_PAD=triton.next_power_of_2(rows), num_warps=config.num_warps)
+            ROWS_PAD=triton.next_power_of_2(workspace.max_rows), num_warps=config.num_warps)
     return meta
 
 
