@@ -164,3 +164,50 @@ def test_seeded_sampling_in_the_captured_graph_is_batch_invariant(tiny_llama, ch
     assert crowd[1].new_token_ids == alone.new_token_ids
     [again] = checked(engine(tiny_llama, "cuda", "float32")).generate([PROMPTS[1]], seeded)
     assert again.new_token_ids == alone.new_token_ids
+
+
+def packed_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """int32 [rows, ceil(V / 32)] with bit t % 32 of word t // 32 set where `allowed[row, t]` (xgrammar's layout)."""
+    rows, vocab = allowed.shape
+    words = -(-vocab // 32)
+    bits = np.zeros((rows, words * 32), dtype=np.uint64)
+    bits[:, :vocab] = allowed
+    packed = (bits.reshape(rows, words, 32) << np.arange(32, dtype=np.uint64)).sum(axis=-1)
+    return packed.astype(np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_split_graphs_with_masks_between_them_replay_the_eager_halves(tiny_llama, dtype):
+    """The forward graph, then masks copied in, then the sampling graph: the same logits and ids (greedy and
+    seeded rows, every id one its mask allows) as the two halves run eagerly on the same static buffers."""
+    loaded = load_checkpoint_model(tiny_llama, CONFIG, "cuda", dtype)
+    runner = ModelRunner(loaded.model, loaded.model_config, CONFIG, "cuda", getattr(torch, dtype), seed=0)
+    graphs = runner.graphs
+    assert graphs.graphs, "no graph was captured"
+    prompts = [[1, 5, 9], [1, 7], [1, 11, 13, 17]]
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0)]
+    new = tuple(NewRequest(f"r{i}", i, tuple(p), (), sp) for i, (p, sp) in enumerate(zip(prompts, params)))
+    rows = tuple(ScheduledRow(f"r{i}", i, 0, len(p), new_page_ids=(i,), samples=True) for i, p in enumerate(prompts))
+    runner.launch(StepPlan(rows, new)).result()
+    # One decode row each, with host ids: the step writes the same K/V however often it runs.
+    table = np.array([[0, 1, 2], [len(p) for p in prompts], [21, 22, 23]], dtype=np.int64)
+    allowed = np.random.default_rng(0).random((3, runner.vocab_size)) < 0.3
+    bitmask = packed_bitmask(allowed)
+    launch = graphs.launch_forward(table)
+    _, logits, token_ids = (t.clone() for t in graphs.sample(launch, bitmask))
+    graphs.capture = False
+    try:
+        _, eager_logits, eager_ids = graphs.run(table, bitmask)
+    finally:
+        graphs.capture = True
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(logits, eager_logits, atol=tolerance, rtol=tolerance)
+    assert token_ids.tolist() == eager_ids.tolist()
+    assert all(allowed[i, t] for i, t in enumerate(token_ids.tolist()))
+    for i in (0, 2):                                                # greedy: the best token the mask allows
+        best = eager_logits[i].masked_fill(~torch.from_numpy(allowed[i]).cuda(), float("-inf")).max()
+        assert eager_logits[i, token_ids[i]] == best
+    _, _, free_ids = graphs.run(table)                              # no masks: the masked rows allow all again
+    assert bool((graphs.bitmask == -1).all()) and free_ids.shape == (3,)

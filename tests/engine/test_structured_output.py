@@ -61,11 +61,12 @@ def test_a_grammar_the_compiler_refuses_is_an_invalid_request(engine):
     assert "bad" not in engine.core.requests
 
 
-def _engine(directory, graphs: bool, device: str = "cpu", dtype: str = "float32") -> LLMEngine:
+def _engine(directory, graphs: bool, device: str = "cpu", dtype: str = "float32",
+            one_step_ahead: bool = True) -> LLMEngine:
     """A checkpoint with its vocabulary for grammars; `graphs`: decode steps through the decode graphs'
     static buffers (captured on a GPU, run eagerly on a CPU)."""
     config = EngineConfig(max_concurrency=4, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=64,
-                          max_num_batched_tokens=128)
+                          max_num_batched_tokens=128, one_step_ahead=one_step_ahead)
     tokenizer = load_tokenizer(directory)
     loaded = load_checkpoint_model(directory, config, device, dtype, tokenizer.eos_token_ids)
     runner = ModelRunner(loaded.model, loaded.model_config, config, device, getattr(torch, dtype), seed=0,
@@ -77,8 +78,8 @@ def _engine(directory, graphs: bool, device: str = "cpu", dtype: str = "float32"
 def test_masks_ride_in_the_decode_graph_and_leave_free_rows_alone(stories260k):
     graphed, eager = _engine(stories260k, graphs=True), _engine(stories260k, graphs=False)
     graphs, masked_steps = graphed.core.runner.graphs, []
-    run = graphs.run
-    graphs.run = lambda rows, bitmask=None: (masked_steps.append(bitmask is not None), run(rows, bitmask))[1]
+    sample = graphs.sample
+    graphs.sample = lambda launch, bitmask=None: (masked_steps.append(bitmask is not None), sample(launch, bitmask))[1]
     params = [SamplingParams(max_tokens=80, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA))),
               SamplingParams(max_tokens=30, temperature=0.9, seed=5, logprobs=1),
               SamplingParams(max_tokens=20, temperature=1.0, seed=3, grammar=GrammarSpec("regex", "(yes|no)!"))]
@@ -115,6 +116,93 @@ def test_masked_rows_in_captured_graphs_give_the_eager_runner_s_tokens(tmp_path,
     assert re.fullmatch("(yes|no)!", outputs[2].new_text)
     if outputs[0].finish_reason == "stop":
         assert set(json.loads(outputs[0].new_text)) == {"name", "age"}
+
+
+# ---- the decode step split at the sampler: the forward runs while the masks fill -------------------------
+
+class MasksFirst:
+    """A runner without `launch_before_masks`: the core puts the masks in the plan and launches the step
+    whole, as it does for runners that cannot split a step (the unsplit path, for comparison)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.vocab_size = runner, runner.vocab_size
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def samples_ahead(self, params) -> bool:
+        return self.runner.samples_ahead(params)
+
+    def launch(self, plan):
+        return self.runner.launch(plan)
+
+
+def _count_masked_samples(engine: LLMEngine) -> list[bool]:
+    """Record, for each sampling half the engine's decode graphs run, whether it had masks."""
+    graphs, masked = engine.core.runner.graphs, []
+    sample = graphs.sample
+    graphs.sample = lambda launch, bitmask=None: (masked.append(bitmask is not None), sample(launch, bitmask))[1]
+    return masked
+
+
+SPLIT_PARAMS = [SamplingParams(max_tokens=60, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA))),
+                SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, logprobs=1,
+                               grammar=GrammarSpec("json_schema", json.dumps(SCHEMA))),
+                SamplingParams(max_tokens=30, temperature=0.9, seed=5, logprobs=1),
+                SamplingParams(max_tokens=20, temperature=1.0, seed=3, grammar=GrammarSpec("regex", "(yes|no)!"))]
+SPLIT_PROMPTS = ["Once upon a time", "Tom had a", "Once upon a time", "Lily"]
+
+
+def _split_matches_unsplit(directory, device: str, dtype: str, one_step_ahead: bool) -> None:
+    split = _engine(directory, graphs=True, device=device, dtype=dtype, one_step_ahead=one_step_ahead)
+    unsplit = _engine(directory, graphs=True, device=device, dtype=dtype, one_step_ahead=one_step_ahead)
+    split_masked, unsplit_masked = _count_masked_samples(split), _count_masked_samples(unsplit)
+    unsplit.core.runner = MasksFirst(unsplit.core.runner)
+    outputs, expected = split.generate(SPLIT_PROMPTS, SPLIT_PARAMS), unsplit.generate(SPLIT_PROMPTS, SPLIT_PARAMS)
+    assert sum(split_masked) >= 10 and sum(unsplit_masked) >= 10        # both sampled masked rows in the graphs
+    assert [o.new_token_ids for o in outputs] == [o.new_token_ids for o in expected]
+    for mine, theirs in zip(outputs, expected):
+        assert [lp.logprob for lp in mine.new_logprobs] == pytest.approx(
+            [lp.logprob for lp in theirs.new_logprobs], abs=1e-4)
+    assert re.fullmatch("(yes|no)!", outputs[3].new_text)
+    if outputs[0].finish_reason == "stop":
+        assert set(json.loads(outputs[0].new_text)) == {"name", "age"}
+    split.check_integrity()
+
+
+def test_decode_steps_launch_the_forward_before_the_masks_are_filled(stories260k):
+    """The constrained decode step's forward half is issued first, then the core reads the step in flight
+    and fills the masks, then the sampling half takes them: masks filled before the forward was launched
+    would leave the device idle while they fill."""
+    engine, events = _engine(stories260k, graphs=True), []
+    graphs, masker = engine.core.runner.graphs, engine.core.token_masker
+    launch_forward, sample, next_token_masks = graphs.launch_forward, graphs.sample, masker.next_token_masks
+    graphs.launch_forward = lambda rows: (events.append("forward"), launch_forward(rows))[1]
+    graphs.sample = lambda launch, bitmask=None: (events.append("masked sample" if bitmask is not None
+                                                                else "sample"), sample(launch, bitmask))[1]
+    masker.next_token_masks = lambda requests, unread: (events.append("masks"), next_token_masks(requests, unread))[1]
+    outputs = engine.generate(SPLIT_PROMPTS[:2], SPLIT_PARAMS[:1] + SPLIT_PARAMS[2:3])
+    assert set(json.loads(outputs[0].new_text)) == {"name", "age"}
+    masked = [i for i, event in enumerate(events) if event == "masked sample"]
+    assert len(masked) >= 10
+    assert all(events[i - 2:i] == ["forward", "masks"] for i in masked), events
+    assert "sample" in events                       # the free row's last steps: both halves back to back
+
+
+@pytest.mark.parametrize("one_step_ahead", [True, False], ids=["one step ahead", "one step at a time"])
+def test_split_decode_steps_give_the_unsplit_tokens(stories260k, one_step_ahead):
+    """Greedy and seeded constrained rows beside a free one: the same tokens and logprobs whether the masks
+    reach the graphs before the forward (unsplit) or after it (split), and the replies match their grammars."""
+    _split_matches_unsplit(stories260k, "cpu", "float32", one_step_ahead)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_split_captured_graphs_give_the_unsplit_tokens_on_the_gpu(tmp_path, dtype):
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    _split_matches_unsplit(write_tiny_checkpoint("llama", tmp_path / "llama"), "cuda", dtype, one_step_ahead=True)
 
 
 # ---- grammars compile off the core's loop ----------------------------------------------------------------

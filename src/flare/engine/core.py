@@ -17,7 +17,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import msgspec
 import numpy as np
 
 from flare.engine.config import EngineConfig
@@ -30,7 +29,7 @@ from flare.engine.speculation.adaptive import VerificationWidth
 from flare.engine.speculation.history import HistoryDrafter
 from flare.engine.speculation.settings import speculates
 from flare.engine.speculation.stats import SpeculationCounters
-from flare.engine.step import PendingStep, ScheduledRow, StepPlan, StepResult, StepRunner
+from flare.engine.step import PendingStep, ScheduledRow, StepPlan, StepResult, StepRunner, with_token_masks
 
 
 class InvalidRequest(ValueError):
@@ -136,8 +135,9 @@ class EngineCore:
     token for token; a request that finishes at step N wastes its row of step N+1. Steps whose requests
     need their ids on the host before they are planned again (draft tokens, a runner that samples them on
     the host) are read before the next plan instead. A constrained request's mask needs its previous
-    token: the next step is planned first, then the previous step's ids are read, the masks filled and
-    the step launched (the device waits only for the masks)."""
+    token: the next step is planned and, where the runner can (`launch_before_masks`: decode graphs), its
+    forward launched first, then the previous step's ids are read, the masks filled and the step's
+    sampling launched with them (the device waits only where the fill outlasts the forward)."""
 
     def __init__(self, config: EngineConfig, runner: StepRunner, eos_token_ids: Iterable[int] = (),
                  token_masker: TokenMasker | None = None, drafter: Drafter | None = None) -> None:
@@ -318,8 +318,18 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if not scheduled.plan.rows:
             return None
-        plan = self._with_token_masks(scheduled, previous)
-        pending = self.runner.launch(plan)
+        plan = scheduled.plan
+        masked = self._masked_rows(scheduled)
+        # A runner that can start a step before its grammar masks does (flare.engine.step.StepRunner).
+        launch_before_masks = getattr(self.runner, "launch_before_masks", None) if masked else None
+        if not masked:
+            pending = self.runner.launch(plan)
+        elif launch_before_masks is not None:
+            later = launch_before_masks(plan)           # a decode step's forward runs while the masks fill
+            pending = later.sample_with(masked, self._token_masks(scheduled, masked, previous))
+        else:
+            plan = with_token_masks(plan, masked, self._token_masks(scheduled, masked, previous))
+            pending = self.runner.launch(plan)
         runs_ahead, max_model_len = True, self.config.max_model_len
         for row, request in zip(plan.rows, scheduled.requests):
             request.num_computed_tokens += row.num_fed_tokens
@@ -356,26 +366,24 @@ class EngineCore:
             request.num_proposed_drafts = limit - len(drafts) if self.config.speculation.draft_model else 0
         return len(candidates), limit
 
-    def _with_token_masks(self, scheduled: SchedulerOutput, previous: _Launched | None) -> StepPlan:
-        """The plan with the next-token masks of its constrained sampling rows. A row whose previous token
-        is still in flight waits for `previous`'s ids here (the only step that can hold it)."""
-        plan, masker = scheduled.plan, self.token_masker
+    def _masked_rows(self, scheduled: SchedulerOutput) -> tuple[int, ...]:
+        """The plan's rows that sample for a constrained request."""
+        masker = self.token_masker
         if masker is None:
-            return plan
-        masked = [i for i, (row, request) in enumerate(zip(plan.rows, scheduled.requests))
-                  if row.samples and masker.constrains(request)]
-        if not masked:
-            return plan
+            return ()
+        return tuple(i for i, (row, request) in enumerate(zip(scheduled.plan.rows, scheduled.requests))
+                     if row.samples and masker.constrains(request))
+
+    def _token_masks(self, scheduled: SchedulerOutput, masked: tuple[int, ...],
+                     previous: _Launched | None) -> np.ndarray:
+        """The next-token masks of rows `masked`, int32 [len(masked), ceil(V / 32)]. A row whose previous
+        token is still in flight waits for `previous`'s ids here (the only step that can hold it)."""
         requests = [scheduled.requests[i] for i in masked]
         unread = [()] * len(masked)
         if previous is not None and any(request.num_pending_outputs for request in requests):
             sampled = dict(zip(map(id, previous.requests), previous.read().token_ids))
             unread = [sampled.get(id(request), ()) if request.num_pending_outputs else () for request in requests]
-        masks = masker.next_token_masks(requests, unread)
-        rows = list(plan.rows)
-        for i, mask in zip(masked, masks):
-            rows[i] = msgspec.structs.replace(rows[i], token_mask=mask[None, :])
-        return msgspec.structs.replace(plan, rows=tuple(rows))
+        return self.token_masker.next_token_masks(requests, unread)
 
     def _commit(self, request: Request) -> None:
         """Record the cached pages of the request's computed tokens whose ids are known. A retired request

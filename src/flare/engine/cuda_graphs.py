@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs, one per captured batch size (the graph catalog).
+"""Decode steps replayed as CUDA graphs, two per captured batch size (the graph catalog).
 
 A decode step is hundreds of small kernels; launched one by one from Python, their launch gaps cost
 more than the weights take to read. A captured graph launches them all at once. The sizes captured
@@ -11,25 +11,35 @@ host has none), the page table rows, each row's K/V slot and context length. Pad
 padding slot, whose table is the dummy page: they read token 0 at position 0, write their K/V into a
 dummy slot that no request owns, and have an empty context; their logits are never read.
 
-The graph computes hidden states, float32 logits and the sampled ids: the device sampler
-(`flare.engine.sampler.DeviceSampler`, the slots' `sampler`) runs inside it on per-slot tables, and each
-row's id goes into its slot's `last_sampled`, the next decode's input. Padded rows sample for the
-sampler's padding slot (greedy, no penalties). The logits stay in the graph's static output buffer for
-rows that asked for logprobs, read before the next replay.
+Each size has two graphs on the same static buffers and memory pool, split at the sampler:
 
-Grammar masks are one more static buffer the sampler reads inside the graph (`bitmask`, int32
-[rows, ceil(V / 32)], xgrammar's layout): a step with constrained rows copies their masks in with the
-rows; every other row's mask allows every token (all bits set), so a step without constraints samples
-exactly as it would unmasked, and constrained decoding keeps the captured graph.
+* the forward graph derives the inputs, runs the model and computes float32 logits into its static
+  output (the logits stay there for rows that asked for logprobs, read before the next replay);
+* the sampling graph runs the device sampler (`flare.engine.sampler.DeviceSampler`, the slots'
+  `sampler`) on those logits with per-slot tables and the grammar masks, and writes each row's id into
+  its slot's `last_sampled`, the next decode's input. Padded rows sample for the sampler's padding slot
+  (greedy, no penalties).
 
-On a CPU the same class runs the forward eagerly on the same static buffers (capture=False): the
-padding and bookkeeping are then testable without a GPU.
+Why two: a grammar's mask for token N+1 needs token N on the host, and xgrammar fills it on the CPU. With
+one graph the device waited for the read and the fill every constrained step; split, the caller launches
+the forward (`launch_forward`: its input id is already on the device), fills the masks while it runs, and
+then `sample`s, which copies the masks in and replays the sampling graph. A step without constraints
+replays both back to back (`run`): one more graph launch (~10 us), no host sync.
+
+Grammar masks are one more static buffer the sampling graph reads (`bitmask`, int32 [rows, ceil(V / 32)],
+xgrammar's layout): a step with constrained rows copies their masks in before the sampling replay; every
+other row's mask allows every token (all bits set), so a step without constraints samples exactly as it
+would unmasked, and constrained decoding keeps the captured graphs.
+
+On a CPU the same class runs both halves eagerly on the same static buffers (capture=False): the
+padding, the split and the bookkeeping are then testable without a GPU.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,8 +63,29 @@ def bucket_for(batch: int, sizes: Sequence[int]) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """A decode step whose forward half is launched and whose sampling half is not yet: `DecodeGraphs.sample`
+    takes it back (with the step's masks) to finish the step."""
+
+    size: int                               # the captured size the rows were padded to
+    count: int                              # the step's real rows
+
+
+@dataclass
+class CapturedStep:
+    """The two graphs of one size and their static outputs (allocated in the shared pool, kept alive so no
+    later capture reuses their memory)."""
+
+    forward: torch.cuda.CUDAGraph
+    sample: torch.cuda.CUDAGraph
+    hidden: torch.Tensor                    # [size, H]
+    logits: torch.Tensor                    # [size, V] float32, the sampling graph's input
+    token_ids: torch.Tensor                 # [size] int64
+
+
 class DecodeGraphs:
-    """The static row buffer and one captured decode graph per catalog size.
+    """The static row buffer and the captured decode graphs (forward and sampling) per catalog size.
 
     `max_seq_len` is the longest context a graph serves (it fixes the split-K count of decode attention
     inside the graph)."""
@@ -77,8 +108,9 @@ class DecodeGraphs:
         words = -(-slots.sampler.vocab_size // 32) if slots.sampler is not None else 1
         self.bitmask = torch.full((largest, words), -1, dtype=torch.int32, device=device)
         self._masked_rows = 0                   # leading rows of `bitmask` that hold a grammar's mask
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, CapturedStep] = {}
+        # The step between its two halves: its launch, hidden states and logits (None: no step is).
+        self._forwarded: tuple[ForwardLaunch, torch.Tensor, torch.Tensor] | None = None
         if slots.sampler is None or slots.sampler.padding_slot != slots.padding_row:
             raise ValueError("decode graphs sample inside the graph: give the slots a DeviceSampler of as many slots")
 
@@ -106,21 +138,25 @@ class DecodeGraphs:
         self.slot_mapping[:size].copy_(pages.to(torch.int64) * self.page_size + positions % self.page_size)
         self.seq_lens[:size].copy_(torch.where(slots == self.slots.padding_row, 0, positions + 1))
 
-    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step on the first `size` rows of the static buffers: (hidden [size, H], logits [size, V],
-        sampled ids [size]); the ids are also each row's slot's `last_sampled`."""
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward half on the first `size` rows of the static buffers: (hidden [size, H], float32
+        logits [size, V])."""
         self._derive(size)
+        hidden = self.model(self.input_ids[:size], self.rows[1, :size], self.kv_caches, self.metadata(size))
+        return hidden, self.model.compute_logits(hidden)
+
+    def sample_logits(self, size: int, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling half: ids [size] for `logits` under `bitmask`; each is also its slot's `last_sampled`."""
         slots, positions = self.rows[0, :size], self.rows[1, :size]
-        hidden = self.model(self.input_ids[:size], positions, self.kv_caches, self.metadata(size))
-        logits = self.model.compute_logits(hidden)
         token_ids = self.slots.sampler.sample(logits, slots, positions + 1,     # the id of the next position
                                               self.bitmask[:size])
         self.slots.last_sampled.index_copy_(0, slots, token_ids)
-        return hidden, logits, token_ids
+        return token_ids
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every size, largest first, sharing one memory pool (graphs run one at a time)."""
+        """Capture both halves of every size, largest first, sharing one memory pool (graphs run one at a
+        time, in stream order)."""
         if not self.capture:
             return
         pool = torch.cuda.graph_pool_handle()
@@ -129,19 +165,26 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):           # compile kernels and settle allocations first
                 for _ in range(2):
-                    self.forward(size)
+                    self.sample_logits(size, self.forward(size)[1])
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(size)
-            self.graphs[size] = graph
+            forward, sample = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(forward, pool=pool):
+                hidden, logits = self.forward(size)
+            with torch.cuda.graph(sample, pool=pool):
+                token_ids = self.sample_logits(size, logits)
+            self.graphs[size] = CapturedStep(forward, sample, hidden, logits, token_ids)
         torch.cuda.synchronize()
 
     def run(self, rows: np.ndarray,
             bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rows [3, B] int64 (slot, position, host id or FROM_LAST_SAMPLED per row), and the rows' grammar
-        masks [B, ceil(V / 32)] int32 (None: no row is constrained): copy in, pad, replay; (hidden,
-        logits, sampled ids) of the real rows."""
+        """Both halves back to back (masks known before the step): `launch_forward`, then `sample`."""
+        return self.sample(self.launch_forward(rows), bitmask)
+
+    def launch_forward(self, rows: np.ndarray) -> ForwardLaunch:
+        """rows [3, B] int64 (slot, position, host id or FROM_LAST_SAMPLED per row): copy in, pad, replay
+        the forward graph. Nothing waits for the device; `sample` must follow before the next launch."""
+        if self._forwarded is not None:
+            raise RuntimeError("a decode step's forward was launched twice without sampling in between")
         count = rows.shape[1]
         size = bucket_for(count, self.sizes)
         if size is None:
@@ -150,12 +193,33 @@ class DecodeGraphs:
         padded[0] = self.slots.padding_row
         padded[:, :count] = rows
         self.rows[:, :size].copy_(to_device(padded, self.rows.device))
+        if self.capture:
+            captured = self.graphs[size]
+            captured.forward.replay()
+            hidden, logits = captured.hidden, captured.logits
+        else:
+            hidden, logits = self.forward(size)
+        launch = ForwardLaunch(size, count)
+        self._forwarded = (launch, hidden, logits)
+        return launch
+
+    def sample(self, launch: ForwardLaunch,
+               bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Finish the step `launch_forward` started: copy in the rows' grammar masks [B, ceil(V / 32)] int32
+        (None: no row is constrained) and replay the sampling graph; (hidden, logits, sampled ids) of the
+        real rows."""
+        if self._forwarded is None or self._forwarded[0] is not launch:
+            raise RuntimeError("sample() finishes the step of the latest launch_forward(), once")
+        _, hidden, logits = self._forwarded
+        self._forwarded = None
+        size, count = launch.size, launch.count
         self._copy_masks(bitmask)
         if self.capture:
-            self.graphs[size].replay()
-            hidden, logits, token_ids = self.outputs[size]
+            captured = self.graphs[size]
+            captured.sample.replay()
+            token_ids = captured.token_ids
         else:
-            hidden, logits, token_ids = self.forward(size)
+            token_ids = self.sample_logits(size, logits)
         return hidden[:count], logits[:count], token_ids[:count]
 
     def _copy_masks(self, bitmask: np.ndarray | None) -> None:

@@ -9,7 +9,8 @@ travel to host memory behind the step on the device's queue, and `PendingStep.re
 Nothing in `launch` waits for the device.
 
 On CUDA, a step whose rows all feed one token and sample (decode) replays a captured graph of the
-smallest catalog size that holds it (flare.engine.cuda_graphs), sampling inside the graph; other steps
+smallest catalog size that holds it (flare.engine.cuda_graphs), sampling inside the graph (a forward graph
+and a sampling graph: `launch_before_masks` lets grammar masks arrive between the two); other steps
 run the model directly (compiled when `compile_model` was applied), or replay the piecewise graphs of
 the smallest token bucket that holds them when the config has prompt graph sizes
 (flare.engine.prompt_graphs), and call the same sampler. Rows that carry draft tokens (speculation) run
@@ -26,11 +27,12 @@ import torch
 
 from flare.engine.batch_slots import BatchSlots, SlotRequest, to_device
 from flare.engine.config import EngineConfig
+from flare.engine.cuda_graphs import ForwardLaunch
 from flare.engine.logprobs import SelectedLogprobs, select_logprobs
 from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
 from flare.engine.speculation.verification import VerifiedRows, VerifyingRows, verify, with_proposal
-from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult
+from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult, with_token_masks
 from flare.engine.step_inputs import decode_rows, flat_inputs
 
 
@@ -120,34 +122,60 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingResult:
+        states, pending = self._begin(plan)
+        if self._fits_graph(plan.rows):
+            forward = self.graphs.launch_forward(decode_rows(plan, self.slots))
+            return self._sample_graphed(pending, forward, self._host_bitmask(plan.rows))
+        proposal = self.proposer.run(plan, self.slots, self.sampler) if self.proposer is not None else None
+        inputs = flat_inputs(plan, self.slots, self.config.page_size)
+        if proposal is not None:
+            place_proposal(inputs, plan, proposal)
+        hidden = self._forward(inputs)
+        logits = token_ids = None
+        if pending.sampling:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+            token_ids = self.sampler.sample(logits, inputs.sample_slots, inputs.sample_positions,
+                                            self._token_bitmask([plan.rows[i] for i in pending.sampling]))
+            self.slots.last_sampled.index_copy_(0, inputs.sample_slots, token_ids)
+        batch = verdict = None
+        if any(row.samples and row.num_drafts for row in plan.rows):
+            pending.verified, batch, verdict = self._verify(plan, states, hidden, inputs, proposal)
+        if self.proposer is not None:
+            self.proposer.after_step(step_outcome(plan, inputs, pending.sampling, token_ids, batch, verdict))
+        return self._send_back(pending, hidden, inputs.query_start, logits, token_ids)
+
+    @torch.inference_mode()
+    def launch_before_masks(self, plan: StepPlan) -> MaskedLaunch:
+        """Start a step whose constrained rows' grammar masks are not known yet (`StepRunner` seam for
+        grammars, flare.engine.step.SamplingLater): a decode step that fits the graphs launches its forward
+        graph now, and `sample_with(rows, masks)` launches the sampling graph with the masks, so the device
+        runs the forward while the host fills them. A step outside the decode graphs (prompt-carrying or
+        mixed) keeps the order of `launch`: nothing runs before the masks, and `sample_with` launches it
+        whole with them (its forward is a larger share of its time, and its rows rarely need a mask)."""
+        if not self._fits_graph(plan.rows):
+            return MaskedLaunch(self, plan)
+        _, pending = self._begin(plan)
+        return MaskedLaunch(self, plan, pending, self.graphs.launch_forward(decode_rows(plan, self.slots)))
+
+    def _begin(self, plan: StepPlan) -> tuple[list[SlotRequest], PendingResult]:
+        """Apply the plan's deltas; the rows' slot requests and the step's answer to fill."""
         self.slots.apply(plan)
         states = [self.slots.requests[row.slot] for row in plan.rows]
         sampling = [i for i, row in enumerate(plan.rows) if row.samples and not row.num_drafts]
-        pending = PendingResult(plan, states, sampling)
-        if self._fits_graph(plan.rows):
-            hidden, logits, token_ids = self.graphs.run(decode_rows(plan, self.slots), self._host_bitmask(plan.rows))
-            query_start = list(range(len(plan.rows) + 1))
-        else:
-            proposal = self.proposer.run(plan, self.slots, self.sampler) if self.proposer is not None else None
-            inputs = flat_inputs(plan, self.slots, self.config.page_size)
-            if proposal is not None:
-                place_proposal(inputs, plan, proposal)
-            hidden = self._forward(inputs)
-            query_start, logits, token_ids = inputs.query_start, None, None
-            if pending.sampling:
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
-                token_ids = self.sampler.sample(logits, inputs.sample_slots, inputs.sample_positions,
-                                                self._token_bitmask([plan.rows[i] for i in pending.sampling]))
-                self.slots.last_sampled.index_copy_(0, inputs.sample_slots, token_ids)
-            batch = verdict = None
-            if any(row.samples and row.num_drafts for row in plan.rows):
-                pending.verified, batch, verdict = self._verify(plan, states, hidden, inputs, proposal)
-            if self.proposer is not None:
-                self.proposer.after_step(step_outcome(plan, inputs, pending.sampling, token_ids, batch, verdict))
-        pending.prompt = self._prompt_logprobs(plan.rows, states, hidden, query_start)
+        return states, PendingResult(plan, states, sampling)
+
+    def _sample_graphed(self, pending: PendingResult, forward, bitmask: np.ndarray | None) -> PendingResult:
+        """The sampling half of a decode step whose forward graph `forward` was launched."""
+        hidden, logits, token_ids = self.graphs.sample(forward, bitmask)
+        return self._send_back(pending, hidden, list(range(len(pending.plan.rows) + 1)), logits, token_ids)
+
+    def _send_back(self, pending: PendingResult, hidden: torch.Tensor, query_start: list[int],
+                   logits: torch.Tensor | None, token_ids: torch.Tensor | None) -> PendingResult:
+        """Start the step's answers on their way to the host, behind the step on the device's queue."""
+        pending.prompt = self._prompt_logprobs(pending.plan.rows, pending.states, hidden, query_start)
         if pending.sampling:
             pending.token_ids = token_ids.to("cpu", non_blocking=True)
-            pending.logprobs = self._logprobs([states[i] for i in pending.sampling], logits, token_ids)
+            pending.logprobs = self._logprobs([pending.states[i] for i in pending.sampling], logits, token_ids)
         if self.device.type == "cuda":
             pending.copied = torch.cuda.Event()
             pending.copied.record()             # behind the step's copies to the host
@@ -180,12 +208,15 @@ class ModelRunner:
     def _host_bitmask(self, rows) -> np.ndarray | None:
         """The rows' grammar bitmasks, [rows, ceil(V / 32)] int32 (-1: every token allowed); None when no
         row has one."""
-        if all(row.token_mask is None for row in rows):
+        masked = [i for i, row in enumerate(rows) if row.token_mask is not None]
+        if not masked:
             return None
-        bitmask = np.full((len(rows), -(-self.vocab_size // 32)), -1, dtype=np.int32)
-        for i, row in enumerate(rows):
-            if row.token_mask is not None:
-                bitmask[i] = row.token_mask[0]
+        return self._padded_bitmask(len(rows), masked, np.stack([rows[i].token_mask[0] for i in masked]))
+
+    def _padded_bitmask(self, count: int, rows, masks: np.ndarray) -> np.ndarray:
+        """[count, ceil(V / 32)] int32: `masks` at `rows`, every token allowed (-1) elsewhere."""
+        bitmask = np.full((count, -(-self.vocab_size // 32)), -1, dtype=np.int32)
+        bitmask[list(rows)] = masks
         return bitmask
 
     def _token_bitmask(self, rows: list[ScheduledRow]) -> torch.Tensor | None:
@@ -244,6 +275,25 @@ def place_proposal(inputs, plan: StepPlan, proposal) -> None:
         sources += range(p * width, p * width + count)
     index = to_device(np.array([targets, sources], dtype=np.int64), inputs.input_ids.device)
     inputs.input_ids.index_copy_(0, index[0], proposal.tokens.reshape(-1).index_select(0, index[1]))
+
+
+@dataclass
+class MaskedLaunch:
+    """A step launched before its grammar masks (flare.engine.step.SamplingLater): `forward` is the decode
+    graphs' launched forward half, or None for a step that has not started (outside the decode graphs)."""
+
+    runner: ModelRunner
+    plan: StepPlan
+    pending: PendingResult | None = None
+    forward: ForwardLaunch | None = None
+
+    @torch.inference_mode()
+    def sample_with(self, rows: tuple[int, ...], masks: np.ndarray) -> PendingResult:
+        """Finish the step with the masks of its rows `rows` (int32 [len(rows), ceil(V / 32)])."""
+        if self.forward is None:
+            return self.runner.launch(with_token_masks(self.plan, rows, masks))
+        bitmask = self.runner._padded_bitmask(len(self.plan.rows), rows, masks)
+        return self.runner._sample_graphed(self.pending, self.forward, bitmask)
 
 
 @dataclass

@@ -109,7 +109,20 @@ class PendingStep(Protocol):
         """Wait until the step's ids are on the host; called once, in launch order."""
 
 
+class SamplingLater(Protocol):
+    """A step launched before the grammar masks of its constrained rows were known."""
+
+    def sample_with(self, rows: tuple[int, ...], masks: np.ndarray) -> PendingStep:
+        """Finish the step: `masks` int32 [len(rows), ceil(V / 32)] are the masks of plan rows `rows` (one
+        sampled position each: constrained rows carry no drafts); the answer is `launch`'s."""
+
+
 class StepRunner(Protocol):
+    """A runner may also offer `launch_before_masks(plan) -> SamplingLater`: start the step, and take the
+    constrained rows' masks once the host has filled them (the model runner launches a decode step's
+    forward pass meanwhile). The core uses it when the runner has it, and `launch` with the masks in the
+    plan's rows otherwise."""
+
     vocab_size: int
 
     def reset(self) -> None:
@@ -130,3 +143,11 @@ class DoneStep:
 
     def result(self) -> StepResult:
         return self.answer
+
+
+def with_token_masks(plan: StepPlan, rows: tuple[int, ...], masks: np.ndarray) -> StepPlan:
+    """The plan with `masks[j]` as the token mask of row `rows[j]` (one sampled position each)."""
+    replaced = list(plan.rows)
+    for i, mask in zip(rows, masks):
+        replaced[i] = msgspec.structs.replace(replaced[i], token_mask=mask[None, :])
+    return msgspec.structs.replace(plan, rows=tuple(replaced))

@@ -15,8 +15,9 @@ InvalidRequest, the same 400 whenever it is found). For the constrained
 rows of a step that sample asks `next_token_masks`, which first lets each matcher accept the tokens its
 request received since (and the ids of the step in flight the core has not read in yet), then fills
 the bitmasks (int32 `[ceil(V/32)]` each, bit set = allowed) on xgrammar's threads, all rows at once.
-The plan carries them in `ScheduledRow.token_mask`; the device sampler applies them after penalties and
-bias, in the captured decode graph too (raw logprobs stay those of the model). A request whose grammar
+They reach the runner after a decode step's forward was launched (`StepRunner.launch_before_masks`) or in
+`ScheduledRow.token_mask`; the device sampler applies them after penalties and bias, in the captured
+decode graphs too (raw logprobs stay those of the model). A request whose grammar
 has terminated (it accepted a stop token and goes on only with `ignore_eos`) is no longer masked.
 Preemption keeps the matcher: output tokens survive it.
 
@@ -28,9 +29,10 @@ tokenizer lacks are never allowed). Stop tokens are the engine's EOS ids, so a f
 exactly those through.
 
 One step ahead and speculation (docs/architecture.md, "Constrained decoding"): the mask for step N+1
-needs token N on the host, so the core plans step N+1 while step N runs, then reads N's ids, fills the
-masks and launches N+1. k draft tokens need k + 1 masks, one per position, filled by accepting the
-drafts in turn, and `rollback` of the rejected ones after verification.
+needs token N on the host, so the core plans step N+1 while step N runs, launches N+1's forward, then
+reads N's ids and fills the masks while it runs, and launches N+1's sampling with them. k draft tokens
+need k + 1 masks, one per position, filled by accepting the drafts in turn, and `rollback` of the
+rejected ones after verification.
 """
 
 from __future__ import annotations
