@@ -8,7 +8,8 @@ flare.kernels.fp8_reference.dequantize does, so the result is that function's, r
 into the shared buffer of flare.kernels.fp8_scratch, not a new tensor: one weight-sized allocation per
 device, reused by every projection.
 
-Activations are not quantized: the product is the weight-only one of the GEMV and GEMM, summed by cuBLAS.
+Activations are not quantized: the product is the weight-only one of the GEMV and GEMM, except that the
+scaled weight is rounded to x's dtype before cuBLAS multiplies (the GEMM keeps the scales in float32).
 
 Shapes:
     weight  [N, K]  float8_e4m3fn, last dim contiguous

@@ -191,7 +191,7 @@ def _launch(x, weight, scale, row_block: int, col_block: int, bias, out, config:
         x.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), partial.stride(-2),
         partial.stride(0) if split_k > 1 else 0,
         ROW_BLOCK=row_block, COL_BLOCK=col_block, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        WRITE_PARTIAL=split_k > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32: exact (tests)
+        WRITE_PARTIAL=split_k > 1, PRECISION="ieee" if x.dtype == torch.float32 else None,   # fp32 exact (tests)
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m, **launch,
     )
     if split_k > 1:

@@ -1,8 +1,10 @@
 """`torch.ops.flare.fp8_linear`: the FP8 projection as one custom operator, so torch.compile sees one opaque
 call. The step's rows choose the kernel (flare.kernels.routing.fp8_route): the GEMV for decode batches of
 at most MAX_ROWS, the skinny split-K GEMM below DEQUANTIZE_MIN_ROWS, and from there a one-pass dequantize
-into a shared buffer followed by cuBLAS. All three are weight-only, so a token's result does not depend on
-which step computed it beyond float32 summation order.
+into a shared buffer followed by cuBLAS. All three are weight-only (activations stay in x's dtype); the
+GEMV and GEMM apply the scales in float32, the dequantize route rounds each scaled weight to x's dtype
+once (bf16: at most 2^-9 relative), so a token's result depends on its step's size by float32
+summation order and, from DEQUANTIZE_MIN_ROWS, by that rounding.
 Hot path: nothing here but dispatch.
 """
 
