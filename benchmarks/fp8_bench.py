@@ -1,14 +1,18 @@
 #!/usr/bin/env python
-"""FP8 weight products on a GPU: flare's FP8 GEMV and GEMM against bf16 cuBLAS, correctness checked.
+"""FP8 weight products on a GPU: flare's FP8 routes against bf16 cuBLAS, correctness checked.
 
-Decode (rows 1, 8, 32; 32 runs the GEMM, as `torch.ops.flare.fp8_linear` dispatches): for each
-projection of llama-8b and qwen3-8b (the LM head stays bf16), F.linear on bf16 weights against the FP8
-operator on e4m3 weights with 128x128 block scales (Qwen/DeepSeek, online FP8) and with per-row scales
-(compressed-tensors), plus a small sweep of GEMV tiles at rows <= 16. Prompt steps (M = 256, 2048,
-8192): the Triton FP8 GEMM (weight-only) against bf16 cuBLAS, dequantize-then-cuBLAS, and the W8A8
-candidate torch._scaled_mm (activations quantized per token / per 1x128 group, the quantization timed
-with it). Every kernel is checked against the float32 reference of the dequantized weights before it
-is timed (bf16 tolerance; W8A8 is reported against the same reference, its own error shown).
+For each projection of llama-8b and qwen3-8b (the LM head stays bf16), F.linear on bf16 weights against
+`torch.ops.flare.fp8_linear` on e4m3 weights with 128x128 block scales (Qwen/DeepSeek, online FP8) and
+with per-row scales (compressed-tensors), at the rows each route serves (flare.kernels.routing): the GEMV
+(rows 1, 8), the skinny split-K GEMM (32, 64, 128), dequantize + cuBLAS (256, 2048). Beside the routed
+operator, from 32 rows: the Triton GEMM with its default tiles ("gemm"), the fused dequantize kernel into
+the shared buffer followed by cuBLAS ("deq+cuBLAS"), and at 256+ rows the W8A8 candidate torch._scaled_mm
+(activations quantized per token / per 1x128 group, the quantization timed with it). At the skinny rows
+a few GEMM configs around the default (flare.kernels.fp8_gemm.candidates) are swept and the best printed;
+`--gemv-sweep` adds the GEMV tile sweep at rows <= 16. Every kernel is checked against the float32
+reference of the dequantized weights before it is timed (bf16 tolerance; W8A8 is reported against the
+same reference, its own error shown). The summary suggests DEQUANTIZE_MIN_ROWS: the fewest rows from
+which deq+cuBLAS beats the Triton GEMM summed over the projections.
 
 Timing as benchmarks/gemv_bench.py: 20 calls in one CUDA graph over weight copies exceeding L2 several
 times, median of 7 replays. Prints tables and the projected weight-product time of a decode step at one
@@ -32,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_bench import MODELS, copy_bandwidth_tbps, graph_time_us  # noqa: E402
 
-DECODE_ROWS = (1, 8, 32)
-PROMPT_ROWS = (256, 2048, 8192)
+DECODE_ROWS = (1, 8)
+SKINNY_ROWS = (32, 64, 128)            # the GEMM config sweep's rows
+PROMPT_ROWS = (256, 2048)
 LAYOUTS = {"block128": (128, 128), "per-row": (1, 0)}
 TOLERANCE = 1e-2
 W8A8_TOLERANCE = 6e-2              # activations rounded to e4m3 as well
@@ -75,21 +80,28 @@ def timed(candidates: dict, reference, calls_of, tolerance: float) -> dict:
     return results
 
 
-def bench_shape(n: int, k: int, rows: int, l2_bytes: int) -> dict:
+def config_name(config) -> str:
+    c = config
+    return f"{c.block_m}x{c.block_n}x{c.block_k} split{c.split_k} w{c.num_warps}s{c.num_stages}"
+
+
+def bench_shape(n: int, k: int, rows: int, l2_bytes: int, gemv_sweep: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
     from flare.kernels import fp8_linear  # noqa: F401  (registers torch.ops.flare.fp8_linear)
-    from flare.kernels.fp8_gemm import scaled_mm_linear
+    from flare.kernels.fp8_dequantize import dequantize_linear
+    from flare.kernels.fp8_gemm import candidates, fp8_gemm, scaled_mm_linear
     from flare.kernels.fp8_gemv import Fp8GemvConfig, choose_split_k, fp8_gemv
     from flare.kernels.fp8_reference import dequantize
+    from flare.kernels.routing import DEQUANTIZE_MIN_ROWS, MAX_ROWS, fp8_route
 
     gen = torch.Generator(device="cuda").manual_seed(n * 31 + k + rows)
     copies = max(2, math.ceil(4 * l2_bytes / (n * k)))
     x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
     bf16 = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / 64
             for _ in range(max(2, math.ceil(4 * l2_bytes / (2 * n * k))))]
-    record = {"n": n, "k": k, "rows": rows,
+    record = {"n": n, "k": k, "rows": rows, "route": fp8_route(rows),
               "cublas_bf16_us": graph_time_us([lambda w=w: F.linear(x, w) for w in bf16]), "layouts": {}}
     del bf16
     calls_of = lambda fn, count: [lambda i=i: fn(i) for i in range(count)]  # noqa: E731
@@ -97,53 +109,91 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int) -> dict:
         weights = fp8_weights(n, k, row_block, col_block, copies, gen)
         reference = x.float() @ dequantize(*weights[0], row_block, col_block).T
         op = torch.ops.flare.fp8_linear
-        candidates = {"flare fp8_linear": (lambda i: op(x, *weights[i], None, row_block, col_block), copies, None)}
-        if rows <= 16:
+        candidates_ = {"flare fp8_linear": (lambda i: op(x, *weights[i], None, row_block, col_block), copies, None)}
+        if rows <= MAX_ROWS and gemv_sweep:
             for bn, bk, warps, stages in GEMV_TILES:
                 for split in sorted({1, choose_split_k(n, k, bn)}):
                     for use_dot in (False, True):
                         config = Fp8GemvConfig(block_n=bn, block_k=bk, split_k=split, use_dot=use_dot,
                                                num_warps=warps, num_stages=stages)
-                        candidates[f"gemv {asdict(config)}"] = (
+                        candidates_[f"gemv {asdict(config)}"] = (
                             lambda i, c=config: fp8_gemv(x, *weights[i], row_block, col_block, None, c), copies, None)
-        else:
-            candidates["dequantize + cuBLAS"] = (
-                lambda i: F.linear(x, dequantize(*weights[i], row_block, col_block).to(torch.bfloat16)), copies, None)
-            candidates["_scaled_mm W8A8"] = (
+        if rows > MAX_ROWS:
+            if rows >= DEQUANTIZE_MIN_ROWS:      # below, the routed operator is this GEMM
+                candidates_["gemm"] = (lambda i: fp8_gemm(x, *weights[i], row_block, col_block), copies, None)
+            else:
+                candidates_["deq+cuBLAS"] = (
+                    lambda i: dequantize_linear(x, *weights[i], row_block, col_block), copies, None)
+        if rows in SKINNY_ROWS:
+            for config in candidates(rows, n, k)[1:]:                   # the first is the default
+                candidates_[f"gemm {config_name(config)}"] = (
+                    lambda i, c=config: fp8_gemm(x, *weights[i], row_block, col_block, None, c), copies, None)
+        if rows in PROMPT_ROWS:
+            candidates_["_scaled_mm W8A8"] = (
                 lambda i: scaled_mm_linear(x, *weights[i], row_block, col_block), copies, W8A8_TOLERANCE)
-        record["layouts"][layout] = timed(candidates, reference, calls_of, TOLERANCE)
+        record["layouts"][layout] = timed(candidates_, reference, calls_of, TOLERANCE)
         del weights
         torch.cuda.empty_cache()
+    if rows in SKINNY_ROWS and record["route"] == "gemm":           # the routed operator ran the default
+        record["default_config"] = config_name(candidates(rows, n, k)[0])
     return record
 
 
 def summarize(record: dict) -> dict:
+    """Per layout: the routed operator, and each route timed on its own (None where not run)."""
     out = {}
+    routed_is = {"gemv": "gemv", "gemm": "gemm", "dequantize": "deq+cuBLAS"}[record["route"]]
     for layout, results in record["layouts"].items():
         ok = {name: r["us"] for name, r in results.items() if "us" in r}
-        gemv = {name: us for name, us in ok.items() if name.startswith("gemv")}
-        moved = record["n"] * record["k"] + record["rows"] * (record["k"] + record["n"]) * 2
         default = ok.get("flare fp8_linear")
+        routes = {"gemm": ok.get("gemm"), "deq+cuBLAS": ok.get("deq+cuBLAS"), routed_is: default}
+        gemv = {name: us for name, us in ok.items() if name.startswith("gemv")}
+        sweep = {name: us for name, us in ok.items() if name.startswith("gemm ")}
+        if record.get("default_config") and default:
+            sweep[f"gemm {record['default_config']}"] = default
+        moved = record["n"] * record["k"] + record["rows"] * (record["k"] + record["n"]) * 2
         out[layout] = {"default_us": default, "default_tbps": moved / default / 1e6 if default else None,
+                       "gemm_us": routes["gemm"], "dequant_cublas_us": routes["deq+cuBLAS"],
                        "best_gemv_us": min(gemv.values()) if gemv else None,
                        "best_gemv": min(gemv, key=gemv.get) if gemv else None,
-                       "dequant_cublas_us": ok.get("dequantize + cuBLAS"),
+                       "best_gemm_us": min(sweep.values()) if sweep else None,
+                       "best_gemm": min(sweep, key=sweep.get) if sweep else None,
                        "scaled_mm_w8a8_us": ok.get("_scaled_mm W8A8"),
                        "failed": sorted(name for name, r in results.items() if "failed" in r)}
     return out
 
 
 def print_table(records: list) -> None:
-    print(f"\n{'model':9} {'proj':8} {'N':>6} {'K':>6} {'rows':>5} {'bf16 us':>8} | {'layout':9} {'fp8 us':>8} "
-          f"{'x bf16':>6} {'best gemv':>9} {'deq+cuBLAS':>10} {'W8A8':>8}")
+    cell = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
+    print(f"\n{'model':8} {'proj':7} {'N':>5} {'K':>5} {'rows':>4} {'route':10} {'bf16':>7} | {'layout':8} "
+          f"{'fp8':>7} {'x bf16':>6} {'gemm':>7} {'deq+cuB':>7} {'W8A8':>7}  best skinny config")
     for r in records:
         for layout, s in r["summary"].items():
             fp8 = s["default_us"]
-            cell = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
-            print(f"{r['model']:9} {r['proj']:8} {r['n']:6} {r['k']:6} {r['rows']:5} {r['cublas_bf16_us']:8.1f} | "
-                  f"{layout:9} {cell(fp8):>8} {(r['cublas_bf16_us'] / fp8 if fp8 else 0):6.2f} "
-                  f"{cell(s['best_gemv_us']):>9} {cell(s['dequant_cublas_us']):>10} {cell(s['scaled_mm_w8a8_us']):>8}"
+            best = f"{s['best_gemm']} {s['best_gemm_us']:.1f}" if s["best_gemm"] else ""
+            if s["best_gemv"]:
+                best = f"best gemv {s['best_gemv_us']:.1f}"
+            print(f"{r['model']:8} {r['proj']:7} {r['n']:5} {r['k']:5} {r['rows']:4} {r['route']:10} "
+                  f"{r['cublas_bf16_us']:7.1f} | {layout:8} {cell(fp8):>7} "
+                  f"{(r['cublas_bf16_us'] / fp8 if fp8 else 0):6.2f} {cell(s['gemm_us']):>7} "
+                  f"{cell(s['dequant_cublas_us']):>7} {cell(s['scaled_mm_w8a8_us']):>7}  {best}"
                   + (f"  failed: {len(s['failed'])}" if s["failed"] else ""))
+
+
+def suggest_threshold(records: list) -> dict:
+    """Per rows (> MAX_ROWS): the Triton GEMM's and deq+cuBLAS's time summed over every projection and
+    layout where both ran, and the fewest rows from which deq+cuBLAS is faster (DEQUANTIZE_MIN_ROWS)."""
+    totals = {}
+    for r in records:
+        for s in r["summary"].values():
+            if s["gemm_us"] and s["dequant_cublas_us"]:
+                entry = totals.setdefault(r["rows"], {"gemm_us": 0.0, "deq_cublas_us": 0.0})
+                entry["gemm_us"] += s["gemm_us"]
+                entry["deq_cublas_us"] += s["dequant_cublas_us"]
+    wins = [t["deq_cublas_us"] < t["gemm_us"] for _, t in sorted(totals.items())]
+    crossing = wins.index(True) if True in wins else None
+    single = crossing is not None and all(wins[crossing:])          # faster from there on, at every rows run
+    return {"by_rows": totals, "dequantize_min_rows": sorted(totals)[crossing] if single else None}
 
 
 def projected_step(records: list, lm_head: dict) -> dict:
@@ -164,7 +214,8 @@ def projected_step(records: list, lm_head: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--rows", nargs="+", type=int, default=list(DECODE_ROWS + PROMPT_ROWS))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(DECODE_ROWS + SKINNY_ROWS + PROMPT_ROWS))
+    parser.add_argument("--gemv-sweep", action="store_true", help="also sweep GEMV tiles at rows <= 16 (+~70 s)")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
 
@@ -192,7 +243,7 @@ def main(argv=None) -> int:
                 continue
             for rows in args.rows:
                 if (n, k, rows) not in seen:
-                    seen[(n, k, rows)] = bench_shape(n, k, rows, l2_bytes)
+                    seen[(n, k, rows)] = bench_shape(n, k, rows, l2_bytes, args.gemv_sweep)
                 record = {"model": model, "proj": proj, **seen[(n, k, rows)]}
                 record["summary"] = summarize(record)
                 records.append(record)
@@ -204,6 +255,13 @@ def main(argv=None) -> int:
     totals = projected_step(records, lm_head)
     for model, t in totals.items():
         print(f"\n{model} decode-step weight products at 1 row: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+    threshold = suggest_threshold(records)
+    by_rows = sorted(threshold["by_rows"].items())
+    print("\nall projections and layouts, gemm vs deq+cuBLAS us: "
+          + ", ".join(f"rows {rows} {t['gemm_us']:.0f} vs {t['deq_cublas_us']:.0f}" for rows, t in by_rows))
+    from flare.kernels.routing import DEQUANTIZE_MIN_ROWS
+    print(f"suggested DEQUANTIZE_MIN_ROWS: {threshold['dequantize_min_rows']} (now {DEQUANTIZE_MIN_ROWS}; "
+          "None: no single crossing among the rows run)")
     print(f"\nfinished in {time.time() - began:.0f}s")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -211,7 +269,8 @@ def main(argv=None) -> int:
             "device": props.name, "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "copy_tbps": copy_tbps,
-            "results": records, "lm_head_bf16_us": lm_head, "projected_decode_step": totals}, indent=1))
+            "results": records, "lm_head_bf16_us": lm_head, "projected_decode_step": totals,
+            "dequantize_threshold": threshold}, indent=1))
     return 0
 
 

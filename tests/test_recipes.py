@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from flare.engine.config import serving_scratch_bytes
 from flare.errors import UsageError
 from flare.recipes import registry
 from flare.recipes.base import (decode_weight_bytes, graph_and_scratch_bytes, kv_bytes_per_token,
@@ -120,6 +121,26 @@ def test_memory_model_grows_with_concurrency_and_chunk():
     small = graph_and_scratch_bytes(config, max_concurrency=1, prefill_chunk=2048)
     assert graph_and_scratch_bytes(config, max_concurrency=64, prefill_chunk=2048) > small
     assert graph_and_scratch_bytes(config, max_concurrency=1, prefill_chunk=4096) > small
+
+
+@pytest.mark.parametrize("fp8, dense", [("qwen3-8b-fp8", "qwen3-8b"),
+                                        ("llama-3.1-8b-instruct-fp8", "llama-3.1-8b-instruct")])
+def test_the_fp8_estimate_counts_the_dequantize_buffer(fp8, dense):
+    """Prompt steps dequantize each FP8 weight into one shared bf16 buffer, the largest layer's size
+    (fused gate/up, 235 MB for llama-8b); an FP8 package must set it aside, a dense one need not."""
+    quantized, original = registry.find_alias(fp8)[1].config, registry.find_alias(dense)[1].config
+    gate_up = 2 * original["intermediate_size"] * original["hidden_size"] * 2
+    assert (graph_and_scratch_bytes(quantized, 64, 2048) - graph_and_scratch_bytes(original, 64, 2048)) == gate_up
+    online = graph_and_scratch_bytes(original, 64, 2048, online_fp8=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"))
+    assert online - graph_and_scratch_bytes(original, 64, 2048) == gate_up
+    assert serving_scratch_bytes(original, 64, 2048, ("gate_proj", "up_proj")) - serving_scratch_bytes(
+        original, 64, 2048) == gate_up
+    attention_only = graph_and_scratch_bytes(original, 64, 2048, online_fp8=("q_proj", "k_proj", "v_proj"))
+    q_width = original["num_attention_heads"] * (original.get("head_dim") or 128)
+    kv_width = original["num_key_value_heads"] * (original.get("head_dim") or 128)
+    assert attention_only - graph_and_scratch_bytes(original, 64, 2048) == \
+        (q_width + 2 * kv_width) * original["hidden_size"] * 2
 
 
 def test_recipe_cost_model_uses_its_own_page_size_and_chunk():

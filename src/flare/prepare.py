@@ -387,7 +387,8 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
         weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype,
                                        wt.online_fp8_of(plan)) + draft_weights,
         # What serving will set aside beside the pages, so that a package that prepares also serves here.
-        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk) + verify.scratch,
+        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk, plan.online_fp8)
+        + verify.scratch,
         live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan.page_size,
                                                                   plan.max_model_len) + verify.per_request,
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),

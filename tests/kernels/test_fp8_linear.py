@@ -7,10 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flare.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
+from flare.kernels import fp8_linear as fp8_linear_module
+from flare.kernels import fp8_gemm as fp8_gemm_module
+from flare.kernels.fp8_gemm import TARGET_PROGRAMS, Fp8GemmConfig, candidates, fp8_gemm
 from flare.kernels.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv
 from flare.kernels.fp8_reference import dequantize, fp8_linear_reference, quantize_blocks, scale_grid
-from flare.kernels.routing import MAX_ROWS
+from flare.kernels.routing import DEQUANTIZE_MIN_ROWS, MAX_ROWS
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # (n, k, row_block, col_block): 128x128 blocks with partial edge blocks (stories260k's 172-wide MLP),
@@ -79,6 +81,59 @@ def test_gemm_matches_reference(kernel_device, layout):
     check(fp8_gemm, 17, layout, torch.float32, kernel_device, with_bias=False, config=GEMM_SMALL)
 
 
+# Split-K configs: the partial tiles of each K range summed by the reduction kernel (which adds the bias).
+SPLIT_CONFIGS = [replace(GEMM_SMALL, block_m=32, block_n=32, split_k=2), replace(GEMM_SMALL, split_k=3),
+                 Fp8GemmConfig(block_m=32, block_n=64, block_k=128, split_k=2, group_m=8)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "x".join(map(str, layout)))
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["32x32-split2", "16x16-split3", "32x64x128-split2"])
+def test_split_k_gemm_matches_reference(kernel_device, layout, config):
+    """M not a multiple of BLOCK_M (17, 40), N with edge tiles, K not a multiple of BLOCK_K or of 128."""
+    check(fp8_gemm, 17, layout, torch.float32, kernel_device, with_bias=True, config=config)
+    check(fp8_gemm, 40, layout, torch.float16, kernel_device, with_bias=False, config=config)
+
+
+def test_split_k_gives_the_same_result_every_run(kernel_device):
+    """The splits are summed in a fixed order: a token's result does not depend on which program ran first."""
+    weight, scale = fp8_weight(130, 640, 128, 128, kernel_device)
+    x = torch.randn(20, 640, device=kernel_device, dtype=torch.float16)
+    config = replace(GEMM_SMALL, block_k=32, split_k=4)
+    first = fp8_gemm(x, weight, scale, 128, 128, None, config)
+    assert all(torch.equal(first, fp8_gemm(x, weight, scale, 128, 128, None, config)) for _ in range(3))
+
+
+@pytest.mark.parametrize("rows", [17, 32, 64, 128, DEQUANTIZE_MIN_ROWS - 1])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (4096, 4096)])
+def test_skinny_configs_fill_the_gpu(rows, n, k):
+    """The GPU table: the smallest of 16/32/64 rows holding M, and enough programs for two per H200 SM."""
+    config = fp8_gemm_module.default_config(rows, n, k, "cuda")
+    assert config.block_m == next((b for b in (16, 32, 64) if b >= rows), 64)
+    assert config.block_k == 128 and config.block_n in (64, 128)
+    programs = -(-rows // config.block_m) * -(-n // config.block_n) * config.split_k
+    assert programs >= TARGET_PROGRAMS
+    assert k // config.split_k >= fp8_gemm_module.MIN_K_PER_SPLIT
+    assert candidates(rows, n, k)[0] == config and len(set(candidates(rows, n, k))) == len(candidates(rows, n, k))
+
+
+def test_routing_picks_the_kernel_by_rows(kernel_device, monkeypatch):
+    """torch.ops.flare.fp8_linear: the GEMV up to MAX_ROWS, the skinny GEMM below DEQUANTIZE_MIN_ROWS,
+    dequantize + cuBLAS from there; each route gives the reference product."""
+    calls = []
+    for name in ("fp8_gemv", "fp8_gemm", "dequantize_linear"):
+        kernel = getattr(fp8_linear_module, name)
+        monkeypatch.setattr(fp8_linear_module, name,
+                            lambda *args, _kernel=kernel, _name=name: calls.append(_name) or _kernel(*args))
+    weight, scale = fp8_weight(48, 64, 1, 0, kernel_device)
+    routes = {1: "fp8_gemv", MAX_ROWS: "fp8_gemv", MAX_ROWS + 1: "fp8_gemm", DEQUANTIZE_MIN_ROWS - 1: "fp8_gemm",
+              DEQUANTIZE_MIN_ROWS: "dequantize_linear", DEQUANTIZE_MIN_ROWS + 40: "dequantize_linear"}
+    for rows, expected in routes.items():
+        x = torch.randn(rows, 64, device=kernel_device)
+        out = torch.ops.flare.fp8_linear(x, weight, scale, None, 1, 0)
+        assert calls.pop() == expected, f"{rows} rows"
+        assert relative_error(out, fp8_linear_reference(x.double(), weight, scale, 1, 0)) < 1e-5
+
+
 def test_gemm_default_config_and_leading_dimensions(kernel_device):
     weight, scale = fp8_weight(64, 96, 1, 0, kernel_device)
     x = torch.randn(3, 7, 96, device=kernel_device, dtype=torch.float16)
@@ -109,12 +164,15 @@ def test_quantize_blocks_round_trips_to_e4m3_precision():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is wrong in Triton's interpreter")
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2, 8, 16, 33, 512])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 33, 64, 200, 512])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 1000)])
 def test_bf16_on_gpu(rows, n, k):
     kernel = fp8_gemv if rows <= MAX_ROWS else fp8_gemm
     for layout in ((n, k, 128, 128), (n, k, 1, 0)):
-        check(kernel, rows, layout, torch.bfloat16, "cuda", with_bias=rows == 2, config=None)
+        check(kernel, rows, layout, torch.bfloat16, "cuda", with_bias=rows in (2, 33), config=None)
+        if kernel is fp8_gemm:
+            for config in candidates(rows, n, k):
+                check(kernel, rows, layout, torch.bfloat16, "cuda", with_bias=True, config=config)
         if kernel is fp8_gemv:
             config = default_config(rows, n, k)
             check(kernel, rows, layout, torch.bfloat16, "cuda", with_bias=True,

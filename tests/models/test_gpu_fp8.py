@@ -1,5 +1,5 @@
-"""On a CUDA GPU in bfloat16: FP8 projections run the Triton kernels (GEMV for decode, GEMM for prompts) and
-an FP8 KV cache the Triton attention kernels; the model stays as close to the float32 reference of the
+"""On a CUDA GPU in bfloat16: FP8 projections run the Triton kernels (GEMV for decode, the skinny GEMM for short
+prompts, dequantize + cuBLAS from DEQUANTIZE_MIN_ROWS) and an FP8 KV cache the Triton attention kernels; the model stays as close to the float32 reference of the
 same FP8 weights and cache as the torch reference computing the same in bfloat16 does.
 
 The yardstick is that bfloat16 reference, not the dense bf16 model's error: an FP8 cache rounds bf16 keys
@@ -14,36 +14,41 @@ import torch
 
 from flare.engine.attention import AttentionMetadata, TorchReferenceBackend, allocate_kv_caches
 from flare.engine.attention_triton import TritonBackend
+from flare.kernels.routing import DEQUANTIZE_MIN_ROWS
 from flare.models import load_checkpoint
 from flare.models.quantization import DECODER_PROJECTIONS
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-TOKENS = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+TOKENS = torch.randint(3, 512, (DEQUANTIZE_MIN_ROWS + 40,), generator=torch.Generator().manual_seed(9)).tolist()
 SHAPE = {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 8, "num_key_value_heads": 4,
          "head_dim": 32}
 
 
-def logits(directory, dtype, device, backend, **precision) -> torch.Tensor:
-    """A prompt of 24 tokens, then 16 decoded one by one (each step through the paged cache)."""
+def logits(directory, dtype, device, backend, prompt=24, **precision) -> torch.Tensor:
+    """A prompt of `prompt` tokens, then 16 decoded one by one (each step through the paged cache)."""
     cfg, model = load_checkpoint(directory, dtype, device, backend, **precision)
-    caches = allocate_kv_caches(cfg, num_pages=8, page_size=16, dtype=dtype, device=device)
+    pages = max(8, -(-(prompt + 16) // 16))
+    caches = allocate_kv_caches(cfg, num_pages=pages, page_size=16, dtype=dtype, device=device)
+    table = [6, 1, 4, 3] if prompt + 16 <= 64 else list(reversed(range(pages)))
     rows, done = [], 0
     with torch.no_grad():
-        for size in [24] + [1] * 16:
-            meta = AttentionMetadata.build([size], [done + size], [[6, 1, 4, 3]], page_size=16, device=device)
+        for size in [prompt] + [1] * 16:
+            meta = AttentionMetadata.build([size], [done + size], [table], page_size=16, device=device)
             ids = torch.tensor(TOKENS[done:done + size], device=device)
             rows.append(model.compute_logits(model(ids, meta.positions(), caches, meta)).float().cpu())
             done += size
     return torch.cat(rows)
 
 
+# 24 prompt rows run the skinny GEMM, DEQUANTIZE_MIN_ROWS + 24 the dequantize + cuBLAS route.
+@pytest.mark.parametrize("prompt", [24, DEQUANTIZE_MIN_ROWS + 24])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_fp8_kernels_in_the_model_match_the_float32_reference(tmp_path, kv_cache_dtype):
+def test_fp8_kernels_in_the_model_match_the_float32_reference(tmp_path, kv_cache_dtype, prompt):
     directory = write_tiny_checkpoint("qwen3", tmp_path, **SHAPE)
-    precision = {"online_fp8": DECODER_PROJECTIONS, "kv_cache_dtype": kv_cache_dtype}
-    exact = logits(directory, torch.float32, "cpu", TorchReferenceBackend(), **precision)
-    ours = logits(directory, torch.bfloat16, "cuda", TritonBackend(), **precision)
-    reference_bf16 = logits(directory, torch.bfloat16, "cpu", TorchReferenceBackend(), **precision)
+    run = {"online_fp8": DECODER_PROJECTIONS, "kv_cache_dtype": kv_cache_dtype, "prompt": prompt}
+    exact = logits(directory, torch.float32, "cpu", TorchReferenceBackend(), **run)
+    ours = logits(directory, torch.bfloat16, "cuda", TritonBackend(), **run)
+    reference_bf16 = logits(directory, torch.bfloat16, "cpu", TorchReferenceBackend(), **run)
     scale = exact.abs().max()
     assert (ours - exact).abs().max() <= 2 * (reference_bf16 - exact).abs().max() + 1e-2 * scale

@@ -47,3 +47,17 @@ def test_the_prompt_graphs_capture_export_measured_comes_out_of_the_kv_pool(monk
     pools = [serving_kv_pool(model, 64, "memory", None, 0) for model in (eager, graphed, unused)]
     assert pools[0].bytes - pools[1].bytes >= 3 * GiB - pools[0].bytes // pools[0].tokens * 16
     assert pools[2].tokens == pools[0].tokens
+
+
+def test_an_online_fp8_package_sets_aside_the_dequantize_buffer(monkeypatch):
+    """Prompt steps of an online FP8 package dequantize into one bf16 buffer of the largest layer (fused
+    gate/up); the pool is sized without those bytes."""
+    from dataclasses import replace
+
+    gpu = [memory.DeviceMemory(0, "test GPU", free=80 * GiB, total=141 * GiB)]
+    monkeypatch.setattr(kv_sizing, "read_device_memory", lambda: gpu)
+    dense = llama_8b("auto")
+    online = replace(dense, online_fp8=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    pools = [serving_kv_pool(model, 64, "memory", None, 0) for model in (dense, online)]
+    gate_up = 2 * 14336 * 4096 * 2
+    assert gate_up - pools[0].bytes // pools[0].tokens * 16 <= pools[0].bytes - pools[1].bytes <= gate_up

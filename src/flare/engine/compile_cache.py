@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from flare.package.manifest import Plan
 
 KERNEL_MODULES = ("flare.kernels.decode_attention", "flare.kernels.prefill_attention", "flare.kernels.flash_prefill",
-                  "flare.kernels.sampling", "flare.kernels.fp8_gemv", "flare.kernels.fp8_gemm")
+                  "flare.kernels.sampling", "flare.kernels.fp8_gemv", "flare.kernels.fp8_gemm",
+                  "flare.kernels.fp8_dequantize")
 
 
 @dataclass(frozen=True)

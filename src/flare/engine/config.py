@@ -156,10 +156,13 @@ def step_token_budget(prefill_chunk: int, concurrency: int) -> int:
     return 2 * prefill_chunk + concurrency
 
 
-def serving_scratch_bytes(hf_config: dict, concurrency: int, prefill_chunk: int) -> int:
+def serving_scratch_bytes(hf_config: dict, concurrency: int, prefill_chunk: int,
+                          online_fp8: tuple[str, ...] = ()) -> int:
     """Graphs and scratch of a serving engine: activations for the prompt tokens a step may carry beside
-    a full decode batch, and the batch's logits (recipes.base.graph_and_scratch_bytes). Export and
-    `flare run` both set it aside before KV pages."""
+    a full decode batch, the batch's logits, and FP8 models' dequantize buffer (config.json's FP8, or the
+    plan's `online_fp8`; recipes.base.graph_and_scratch_bytes). Export and `flare run` both set it aside
+    before KV pages."""
     from flare.recipes.base import graph_and_scratch_bytes
 
-    return graph_and_scratch_bytes(hf_config, concurrency, step_token_budget(prefill_chunk, concurrency) - concurrency)
+    return graph_and_scratch_bytes(hf_config, concurrency, step_token_budget(prefill_chunk, concurrency) - concurrency,
+                                   online_fp8=online_fp8)

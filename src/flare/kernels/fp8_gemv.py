@@ -137,20 +137,26 @@ def _fp8_gemv_kernel(
 
 def check_fp8_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_block: int, col_block: int,
                      bias: torch.Tensor | None, what: str) -> None:
-    """Shapes, dtypes and strides both FP8 kernels need."""
+    """Shapes, dtypes and strides the FP8 products need."""
+    n, k = weight.shape
+    check_fp8_scales(weight, scale, row_block, col_block, what)
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x.shape[-1]} features but the weight expects {k}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"{what}: bias has shape {list(bias.shape)}, expected [{n}]")
+
+
+def check_fp8_scales(weight: torch.Tensor, scale: torch.Tensor, row_block: int, col_block: int, what: str) -> None:
+    """An e4m3 weight with a contiguous last dimension and the float32 scale grid of its layout."""
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or weight.stride(-1) != 1:
         raise ValueError(f"{what}: the weight must be float8_e4m3fn with a contiguous last dimension")
-    if x.shape[-1] != k:
-        raise ValueError(f"{what}: x has {x.shape[-1]} features but the weight expects {k}")
     grid = (-(-n // row_block), 1 if col_block == 0 else -(-k // col_block))
     if scale.dtype != torch.float32 or tuple(scale.shape) != grid:
         raise ValueError(f"{what}: scale must be float32 {list(grid)} for row_block {row_block}, col_block "
                          f"{col_block}; got {scale.dtype} {list(scale.shape)}")
     if col_block and (col_block % 16 or col_block & (col_block - 1)):
         raise ValueError(f"{what}: col_block {col_block} must be a power of two of at least 16")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"{what}: bias has shape {list(bias.shape)}, expected [{n}]")
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_block: int, col_block: int,

@@ -6,7 +6,10 @@ cuBLAS on the H200 (docs/performance.md), so no switch routes them to it.
 
 FP8 projections (flare.models.fp8) have no cuBLAS product to fall back on: on CUDA they always run our
 FP8 kernels (flare.kernels.fp8_linear); elsewhere the torch reference, unless `enable_fp8` routes
-another device's products through Triton's interpreter (tests).
+another device's products through Triton's interpreter (tests). Which FP8 kernel runs depends on the
+step's rows (`fp8_route`): decode batches of at most MAX_ROWS take the GEMV; up to DEQUANTIZE_MIN_ROWS
+the skinny split-K GEMM, memory bound, where reading one byte per weight beats bf16's two; from
+DEQUANTIZE_MIN_ROWS the step is compute bound and the weight is dequantized to bf16 once, for cuBLAS.
 """
 
 from __future__ import annotations
@@ -14,6 +17,13 @@ from __future__ import annotations
 import torch
 
 MAX_ROWS = 16                  # the GEMV kernels' limit: decode batches of up to 16 sequences
+# From this many rows an FP8 product dequantizes its weight (one pass) and runs cuBLAS: the step is
+# compute bound, and cuBLAS's tensor-core rate beats the Triton GEMM's by more than moving five bytes
+# per weight (e4m3 read, bf16 written and read) instead of one costs. benchmarks/fp8_bench.py compares
+# both routes from 32 to 2048 rows.
+DEQUANTIZE_MIN_ROWS = 256
+
+FP8_GEMV, FP8_GEMM, FP8_DEQUANTIZE = "gemv", "gemm", "dequantize"
 
 _fp8_routed_devices: frozenset[str] = frozenset({"cuda"})
 
@@ -32,3 +42,11 @@ def enable_fp8(devices: tuple[str, ...] = ("cuda",)) -> None:
 
 def routes_fp8_to_kernels(x: torch.Tensor) -> bool:
     return x.device.type in _fp8_routed_devices
+
+
+def fp8_route(rows: int) -> str:
+    """The FP8 kernel for a product of `rows` rows: FP8_GEMV, FP8_GEMM (skinny, split-K) or FP8_DEQUANTIZE
+    (dequantize, then cuBLAS)."""
+    if rows <= MAX_ROWS:
+        return FP8_GEMV
+    return FP8_GEMM if rows < DEQUANTIZE_MIN_ROWS else FP8_DEQUANTIZE

@@ -2,9 +2,10 @@
 
 `Fp8Linear` keeps the weight as float8 e4m3 [N, K] and its scales as one float32 grid whatever the
 checkpoint's layout (`ScaleLayout`): a 128x128 block's scale, an output channel's, or a projection's
-(spread over its rows, so fused q/k/v with three per-tensor scales are one matrix). The product
-dequantizes in registers on CUDA (flare.kernels.fp8_linear), and in torch elsewhere
-(flare.kernels.fp8_reference, which the kernels are tested against).
+(spread over its rows, so fused q/k/v with three per-tensor scales are one matrix). On CUDA the product
+runs flare.kernels.fp8_linear: dequantized in registers up to DEQUANTIZE_MIN_ROWS rows, and from there
+into the device's one shared bf16 buffer for cuBLAS (flare.kernels.fp8_scratch, which each layer reserves
+its size in). Elsewhere it runs in torch (flare.kernels.fp8_reference, which the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flare.kernels import routing
+from flare.kernels import fp8_scratch, routing
 from flare.kernels.fp8_reference import fp8_linear_reference, quantize_blocks, scale_grid
 from flare.models.errors import WeightError
 from flare.models.quantization import Fp8Weights, online_conversion
@@ -81,6 +82,7 @@ class Fp8Linear(nn.Module):
         self.bias = _parameter(out_features, shard_sizes=shard_sizes) if bias else None
         if self.weight.device.type == "cuda":
             routing.load_fp8_kernels()                               # registers torch.ops.flare.fp8_linear
+            fp8_scratch.reserve(self.weight.device, out_features, in_features)   # dequantized from DEQUANTIZE_MIN_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = self.layout

@@ -239,9 +239,10 @@ class Recipe:
         return live_state_bytes_per_request(hf_config, self.page_size, context_length)
 
     def graph_and_scratch_bytes(self, hf_config: Mapping[str, Any], max_concurrency: int,
-                                prefill_chunk: int | None = None, tensor_parallel: int = 1) -> int:
+                                prefill_chunk: int | None = None, tensor_parallel: int = 1,
+                                online_fp8: tuple[str, ...] = ()) -> int:
         return graph_and_scratch_bytes(hf_config, max_concurrency, prefill_chunk or self.prefill_chunk,
-                                       tensor_parallel)
+                                       tensor_parallel, online_fp8)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -299,16 +300,35 @@ def activation_bytes_per_token(hf_config: Mapping[str, Any], tensor_parallel: in
 
 
 def graph_and_scratch_bytes(hf_config: Mapping[str, Any], max_concurrency: int, prefill_chunk: int,
-                            tensor_parallel: int = 1) -> int:
+                            tensor_parallel: int = 1, online_fp8: tuple[str, ...] = ()) -> int:
     """A cold host's estimate of compiled-graph pools and scratch on one rank.
 
     A fixed 512 MiB for the CUDA context, cuBLAS/Triton workspaces and compiled kernels; activations
-    for one prefill chunk and for the largest decode batch; float32 logits for the decode batch.
+    for one prefill chunk and for the largest decode batch; float32 logits for the decode batch; for FP8
+    projections (config.json's, or `online_fp8`'s), the buffer their weights are dequantized into.
     """
     fixed = 512 * MIB
     tokens = prefill_chunk + max_concurrency
     logits = max_concurrency * hf_config["vocab_size"] * FLOAT32_BYTES
-    return fixed + tokens * activation_bytes_per_token(hf_config, tensor_parallel) + logits
+    return (fixed + tokens * activation_bytes_per_token(hf_config, tensor_parallel) + logits
+            + fp8_scratch_bytes(hf_config, tensor_parallel, online_fp8))
+
+
+def fp8_scratch_bytes(hf_config: Mapping[str, Any], tensor_parallel: int = 1, online_fp8: tuple[str, ...] = (),
+                      dtype_bytes: int = BF16_BYTES) -> int:
+    """The one buffer prompt steps dequantize FP8 weights into before cuBLAS (flare.kernels.fp8_scratch):
+    the largest FP8 layer's weight in the serving dtype (fused gate/up for llama-8b, 235 MB); 0 without
+    FP8 projections."""
+    fp8 = online_fp8_weights(online_fp8) if online_fp8 else fp8_weights_of(hf_config)
+    if fp8 is None:
+        return 0
+    shapes = projection_shapes(hf_config)
+    largest = 0
+    for fused in FUSED_PROJECTIONS:
+        if any(fp8.quantizes(f"model.layers.0.{name}") for name in fused):
+            rows = sum(shapes[name][0] for name in fused)
+            largest = max(largest, rows * shapes[fused[0]][1])
+    return largest * dtype_bytes // tensor_parallel
 
 
 def parameter_count(hf_config: Mapping[str, Any], lm_head_stored: bool) -> int:
@@ -368,6 +388,11 @@ def projection_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, int]
             "self_attn.v_proj": (kv_width, hidden), "self_attn.o_proj": (hidden, q_width),
             "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
             "mlp.down_proj": (hidden, intermediate)}
+
+
+# The projections each decoder layer runs as one matrix (flare.models.layers: qkv_linear, gate_up_linear).
+FUSED_PROJECTIONS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
 def _scale_count(fp8, rows: int, columns: int) -> int:

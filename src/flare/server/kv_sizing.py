@@ -47,8 +47,8 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
     verify = speculation_memory(model.hf_config, concurrency, drafts, rows, model.page_size, token_bytes)
     prompt_graphs = model.prompt_graph_bytes if model.prompt_graph_sizes else 0
     fixed = FixedCosts(weights=model.weight_bytes,
-                       graphs=serving_scratch_bytes(model.hf_config, concurrency, model.prefill_chunk) + verify.scratch
-                       + prompt_graphs,
+                       graphs=serving_scratch_bytes(model.hf_config, concurrency, model.prefill_chunk, model.online_fp8)
+                       + verify.scratch + prompt_graphs,
                        live_state=concurrency * (live_state_bytes_per_request(model.hf_config, model.page_size,
                                                                               model.max_model_len)
                                                  + verify.per_request),

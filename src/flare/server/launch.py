@@ -323,7 +323,7 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         weight_bytes=weight_bytes, iter_weights=package.iter_weights,
         sampling=SamplingPolicy(manifest.sampling.defaults, manifest.sampling.ranges),
         memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
-        decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype,
+        decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype, online_fp8=plan.online_fp8,
         step_costs=step_costs_of(plan), prompt_graph_sizes=plan.prompt_graph_sizes,
         prompt_graph_bytes=plan.prompt_graph_bytes, speculation=plan.speculation)
 

@@ -29,6 +29,7 @@ class ServedModel:
     package_path: Path | None = None       # set for packages: the engine runs in its own process
     decode_capacities: tuple[int, ...] = ()  # the plan's decode graph sizes; empty: the standard catalog
     kv_cache_dtype: str = "auto"           # the plan's KV cache dtype ("fp8": e4m3 with per-token scales)
+    online_fp8: tuple[str, ...] = ()       # the plan's decoder projections stored as FP8 at export
     step_costs: Any = None                 # flare.engine.step_cost.StepCosts measured at export; None: none
     prompt_graph_sizes: tuple[int, ...] = ()  # the plan's prompt-step buckets (checked at export); empty: eager
     prompt_graph_bytes: int = 0            # device memory their capture took at export
