@@ -20,8 +20,10 @@ MAX_ROWS = 16                  # the GEMV kernels' limit: decode batches of up t
 # From this many rows an FP8 product dequantizes its weight (one pass) and runs cuBLAS: the step is
 # compute bound, and cuBLAS's tensor-core rate beats the Triton GEMM's by more than moving five bytes
 # per weight (e4m3 read, bf16 written and read) instead of one costs. benchmarks/fp8_bench.py compares
-# both routes from 32 to 2048 rows.
-DEQUANTIZE_MIN_ROWS = 256
+# both routes from 32 to 2048 rows. On the H200 (2026-12-02, docs/performance.md) dequantize + cuBLAS won
+# at every row count measured, 32 included (all llama-8b/qwen3-8b projections summed: 1,162 vs 1,823 us at
+# 32 rows, 1,174 vs 4,527 at 64), so the skinny GEMM serves only 17..31 rows, which were not measured.
+DEQUANTIZE_MIN_ROWS = 32
 
 FP8_GEMV, FP8_GEMM, FP8_DEQUANTIZE = "gemv", "gemm", "dequantize"
 
