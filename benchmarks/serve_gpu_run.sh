@@ -169,7 +169,7 @@ bench() {   # name, then serve_bench arguments
   curl -sf "http://127.0.0.1:$PORT/v1/engine/stats" -o "$OUT/$name.engine.json" && "$PY" -c 'import json, sys
 s = json.load(open(sys.argv[1])); print("kernels built while serving so far:", s.get("kernel_builds"), "(%s s)" % s.get("kernel_build_seconds"))
 for name in s.get("kernel_builds_recent") or ():
-    print("  built:", name[:200])' \
+    print("  built:", name)' \
     "$OUT/$name.engine.json"
 }
 restart_s=
