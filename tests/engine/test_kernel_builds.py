@@ -58,3 +58,26 @@ def test_the_engine_reports_its_builds(hooks):
     hooks.jit_post_compile_hook(key="k", repr="k[num_warps=8]()")
     assert core.stats().kernel_builds == 1
     assert core.stats().kernel_builds_recent == ("k[num_warps=8]()",)
+
+
+def test_a_gpu_core_warms_its_eager_kernels_before_serving_and_forgets_the_warm_up():
+    """The warm-up's requests run to the end, leave no page held, and move no counter a user reads; a core
+    off the GPU skips it (its kernels are torch's, loaded already)."""
+    import types
+
+    from flare.engine.config import EngineConfig
+    from flare.engine.core import EngineCore
+    from fake_runner import FakeRunner
+
+    config = EngineConfig(max_concurrency=2, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=64)
+    cpu_core = EngineCore(config, FakeRunner(16))
+    assert not cpu_core.warm_up_kernels()
+    runner = FakeRunner(16)
+    runner.device = types.SimpleNamespace(type="cuda")
+    core = EngineCore(config, runner)
+    assert core.warm_up_kernels()
+    stats = core.stats(check_integrity=True)
+    assert not core.has_unfinished() and not core.requests
+    assert (stats.num_running, stats.kv_pages_used, stats.num_computed_tokens) == (0, 0, 0)
+    assert (stats.prefix_cache_hit_tokens, stats.prefix_cache_miss_tokens) == (0, 0)
+    assert stats.page_integrity == "ok"

@@ -146,6 +146,11 @@ def unpack_triton_kernels(data: bytes, cache_dir: Path) -> int:
 WARM_UP_SHORT_PROMPT = 40    # the second warm-up request: prefilled while the first one decodes
 
 
+def warm_up_prompt_tokens(prefill_chunk: int, max_model_len: int) -> int:
+    """A full chunk, then a remainder of another size (within the context, leaving two output tokens)."""
+    return max(1, min(prefill_chunk + prefill_chunk // 2 + 1, max_model_len - 2))
+
+
 def warm_up(core, vocab_size: int, prompt_tokens: int) -> None:
     """Run greedy requests of random ids through `core`: one of `prompt_tokens` and two output tokens
     compiles the prefill shapes (full chunks and a remainder) and replays a decode graph; when the
@@ -200,7 +205,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
 
     started = time.perf_counter()
     chunk = plan.prefill_chunk
-    prompt_tokens = chunk + chunk // 2 + 1               # a full chunk, then a remainder of another size
+    prompt_tokens = warm_up_prompt_tokens(chunk, 1 << 30)
     max_model_len = max(prompt_tokens + 2, measurement_model_len(chunk))
     pages = -(-max_model_len // plan.page_size) + -(-(WARM_UP_SHORT_PROMPT + 2) // plan.page_size)
     prompt_sizes = prompt_graph_sizes(step_token_budget(chunk, plan.max_concurrency))

@@ -166,6 +166,23 @@ class EngineCore:
         self._num_computed_tokens = 0
         self._in_flight: _Launched | None = None
 
+    def warm_up_kernels(self) -> bool:
+        """On a GPU, before serving: export's warm-up requests (flare.engine.compile_cache.warm_up: prompt
+        chunks, a remainder, a mixed step, eager sampling) once in this process, then the counters they moved
+        are zeroed. A kernel's first launch in a process loads it (from the package's Triton cache, or builds
+        it where a specialization is missing) while its step waits: on the H200 the first requests after
+        start waited for 11 such loads (4.9 s) at c=1, outside the decode graphs that start-up captures.
+        The warm-up's random prompt may stay in the prefix cache, evictable. Returns whether it ran."""
+        from flare.engine.compile_cache import warm_up, warm_up_prompt_tokens
+
+        device = getattr(self.runner, "device", None)
+        if getattr(device, "type", None) != "cuda" or self.has_unfinished():
+            return False
+        warm_up(self, self.runner.vocab_size, warm_up_prompt_tokens(self.config.prefill_chunk, self.config.max_model_len))
+        self.scheduler.num_prefix_hit_tokens = self.scheduler.num_prefix_miss_tokens = 0
+        self._num_computed_tokens = 0
+        return True
+
     def add_request(self, engine_request: EngineRequest, wait_for_grammar: bool = True) -> None:
         """Queue a request from an in-process caller; InvalidRequest for a prompt the engine cannot serve.
         A constrained request's grammar is compiled before this returns (InvalidRequest if it cannot be),

@@ -42,6 +42,7 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
     send = lambda message: events.send(messages.encode(message))
     try:
         core = _build(factory, seed, send, profile_dir, core_builder)
+        core.warm_up_kernels()                         # the eager steps' kernels, loaded before serving
         core.kernel_builds.watch()                     # from here on a build stalls serving: count them
         send(Ready(core.config, core.runner.vocab_size, tuple(sorted(core.eos_token_ids)), core.stats()))
         _serve(core, commands, send, parent)
