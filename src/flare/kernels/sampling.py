@@ -252,7 +252,7 @@ def counter_uniform(seed_lo, seed_hi, position, index, purpose):
 
 # -- pass 0: prepare --------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_ptr"])
 def _prepare_kernel(
     logits_ptr, stride_logits, w_ptr, stride_w, slots_ptr, params_ptr,
     prompt_bits_ptr, stride_bits, counts_ptr, stride_counts, bias_ids_ptr, bias_values_ptr,
@@ -335,7 +335,7 @@ def _tile_max_value(tile_max_ptr, index):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_ptr"])
 def _scan_kernel(
     w_ptr, stride_w, slots_ptr, params_ptr, stats_value_ptr, scan_ptr, V,
     CHUNK: tl.constexpr, SCAN_BLOCK: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
@@ -406,7 +406,7 @@ def _choose_level(scan_ptr, row, has_k, has_p, top_k, top_p, log_min_p,
     return level, count.to(tl.int32), total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_ptr"])
 def _compact_kernel(
     w_ptr, stride_w, slots_ptr, params_ptr, stats_value_ptr, tile_max_ptr, scan_ptr, cand_value_ptr,
     cand_index_ptr, V,
@@ -443,7 +443,7 @@ def _compact_kernel(
                 filled += tl.sum(chosen.to(tl.int32), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_ptr", "positions_ptr"])
 def _select_kernel(
     slots_ptr, positions_ptr, params_ptr, stats_value_ptr, scan_ptr, cand_value_ptr, cand_index_ptr,
     mode_ptr, drawn_ptr, V,
@@ -530,7 +530,10 @@ def _select_kernel(
 
 # The row count varies from step to step outside the decode graphs (steps carrying prompts sample any number
 # of rows): neither specialized nor a block size of its own, so serving compiles no variant per row count.
-@triton.jit(do_not_specialize=["pass_index", "rows"])
+# The rows' slot and position arrays are slices of a step's packed inputs, their alignment changing with the
+# step's token count: no kernel here specializes on it (each reads one scalar per row from them), so a step
+# never waits for a variant of another alignment (the H200 served its first requests seconds late for them).
+@triton.jit(do_not_specialize=["pass_index", "rows", "slots_ptr", "positions_ptr"])
 def _pass_kernel(
     w_ptr, stride_w, slots_ptr, positions_ptr, params_ptr, stats_value_ptr, tile_max_ptr, hist_ptr,
     state_ptr, race_value_ptr, race_index_ptr, mode_ptr,
@@ -661,7 +664,7 @@ def _radix_pass(
 
 # -- finish -----------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_ptr"])
 def _finish_kernel(
     out_ptr, slots_ptr, params_ptr, counts_ptr, stride_counts, stats_value_ptr, stats_index_ptr,
     race_value_ptr, race_index_ptr, mode_ptr, drawn_ptr, V, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
@@ -689,7 +692,7 @@ def _finish_kernel(
 
 # -- the processed distribution (speculation) -------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_ptr"])
 def _probs_kernel(
     probs_ptr, stride_probs, w_ptr, stride_w, slots_ptr, params_ptr, stats_value_ptr, stats_index_ptr,
     state_ptr, kept_mass_ptr, V, max_rows,
