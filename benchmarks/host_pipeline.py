@@ -77,15 +77,13 @@ def stand_in_ids(logits, slots, positions, allowed_bitmask=None):
 
 
 def replayed_decode(graphs, size: int):
-    """What replaying a captured decode graph leaves in its outputs, at once: on the GPU the graph's body
-    (ids and page tables derived from the slots, forward, sampling) is device work, not the host's."""
+    """What replaying a captured decode forward graph leaves in its outputs, at once: on the GPU the graph's
+    body (ids and page tables derived from the slots, forward) is device work, not the host's. The sampling
+    half then runs the stand-in sampler."""
     import torch
 
-    slots, positions = graphs.rows[0, :size], graphs.rows[1, :size]
-    token_ids = stand_in_ids(None, slots, positions + 1)
-    graphs.slots.last_sampled.index_copy_(0, slots, token_ids)
     zeros = torch.zeros(size, 1)
-    return zeros, zeros, token_ids
+    return zeros, zeros
 
 
 def stand_in_model(engine_config, report=None):
