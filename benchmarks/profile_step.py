@@ -8,7 +8,8 @@ captured, as `flare run` does), then profiles each case with torch.profiler (CUD
   prompt-8192     an 8,192-token prompt through the engine's chunking, to its first token
   prompt-8192x1   the same prompt as one 8,192-token step
   mixed-64        64 requests decoding while a 1,000-token prompt arrives (the step that carries it)
-  decode-1, decode-64   captured decode steps at batch 1 and 64 (context 1,024)
+  decode-1, decode-64   captured decode steps at batch 1 and 64 (context 1,024); any decode-N is a
+                        batch of N
 
 For each case it prints the wall time of the step(s), the summed kernel time, and the kernels grouped
 into classes (matmul, attention, elementwise/fused, other) with the top kernels, and writes it all as
@@ -31,6 +32,7 @@ import gzip
 import json
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -97,6 +99,9 @@ def main(argv=None) -> int:
     parser.add_argument("--traces", type=Path, default=None, help="folder for gzipped Chrome traces")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
+    unknown = [case for case in args.cases.split(",") if case not in CASES and not decode_batch(case)]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)} or decode-N")
 
     import torch
 
@@ -144,6 +149,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def decode_batch(case: str) -> int:
+    """N for a `decode-N` case, else 0."""
+    name, _, batch = case.partition("-")
+    return int(batch) if name == "decode" and batch.isdigit() and int(batch) > 0 else 0
+
+
 def with_prompt_graphs(runner) -> dict:
     """Capture and check the prompt graphs of the runner's step budget, as export does; the runner replays
     them from here on when they pass. What the check found, for the JSON."""
@@ -165,7 +176,7 @@ def run_case(case: str, runner, config, vocab_size: int, traces: Path | None) ->
     from flare.engine.request import EngineRequest
     from flare.engine.sampling_params import SamplingParams
 
-    generator = torch.Generator().manual_seed(CASES.index(case))
+    generator = torch.Generator().manual_seed(zlib.crc32(case.encode()))
     on_cuda = runner.device.type == "cuda"
     synchronize = torch.cuda.synchronize if on_cuda else (lambda: None)
 
@@ -183,7 +194,7 @@ def run_case(case: str, runner, config, vocab_size: int, traces: Path | None) ->
             steps += 1
         return steps
 
-    decoding = {"decode-1": 1, "decode-64": 64, "mixed-64": 64}.get(case, 0)
+    decoding = decode_batch(case) or {"mixed-64": 64}.get(case, 0)
     for i in range(decoding):
         core.add_request(EngineRequest(f"d{i}", prompt(1024), params))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:

@@ -189,6 +189,44 @@ def test_decode_steps_launch_the_forward_before_the_masks_are_filled(stories260k
     assert "sample" in events                       # the free row's last steps: both halves back to back
 
 
+def test_the_next_forward_is_launched_before_a_constrained_step_returns(stories260k):
+    """After a constrained decode step's sampling, the core plans the step after it and launches that
+    step's forward before `step()` returns its outputs: the host's work between steps (outputs, stats,
+    commands) overlaps a forward instead of leaving the device idle behind the short sampling graph."""
+    engine, events = _engine(stories260k, graphs=True), []
+    graphs, core = engine.core.runner.graphs, engine.core
+    launch_forward, sample, step = graphs.launch_forward, graphs.sample, core.step
+    graphs.launch_forward = lambda rows: (events.append("forward"), launch_forward(rows))[1]
+    graphs.sample = lambda launch, bitmask=None: (events.append("masked sample" if bitmask is not None
+                                                                else "sample"), sample(launch, bitmask))[1]
+    core.step = lambda: (result := step(), events.append("return"))[0]
+    outputs = engine.generate(SPLIT_PROMPTS[:1], SPLIT_PARAMS[:1])
+    assert set(json.loads(outputs[0].new_text)) == {"name", "age"}
+    masked = [i for i, event in enumerate(events) if event == "masked sample"]
+    assert len(masked) >= 10
+    followed = [events[i + 1:i + 3] == ["forward", "return"] for i in masked]
+    assert sum(followed) >= len(masked) - 1, events     # all but the last: its request retired with it
+
+
+def test_an_abort_while_a_step_is_planned_ahead_loses_no_pages(stories260k):
+    """A request aborted between steps while the core holds the next step planned ahead (its forward
+    launched, its sampling waiting for masks): the others finish as they would alone, and every page is
+    given back."""
+    engine = _engine(stories260k, graphs=True)
+    alone = _engine(stories260k, graphs=True).generate(["Tom had a"], SPLIT_PARAMS[:1])[0]
+    engine.add_request("doomed", "Once upon a time", SPLIT_PARAMS[0])
+    engine.add_request("kept", "Tom had a", SPLIT_PARAMS[0])
+    outputs: dict = {}
+    _step_until(engine, lambda: len(outputs.get("doomed", ())) >= 5, outputs)
+    assert engine.core._planned is not None                 # the next step waits for its masks
+    engine.abort("doomed")
+    _step_until(engine, lambda: _finished(outputs, "kept"), outputs)
+    assert merge_outputs(outputs["kept"]).new_token_ids == alone.new_token_ids
+    assert engine.core.step() == []
+    engine.check_integrity()
+    assert engine.core.allocator.num_free_pages == engine.core.config.num_pages
+
+
 @pytest.mark.parametrize("one_step_ahead", [True, False], ids=["one step ahead", "one step at a time"])
 def test_split_decode_steps_give_the_unsplit_tokens(stories260k, one_step_ahead):
     """Greedy and seeded constrained rows beside a free one: the same tokens and logprobs whether the masks

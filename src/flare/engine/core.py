@@ -29,7 +29,8 @@ from flare.engine.speculation.adaptive import VerificationWidth
 from flare.engine.speculation.history import HistoryDrafter
 from flare.engine.speculation.settings import speculates
 from flare.engine.speculation.stats import SpeculationCounters
-from flare.engine.step import PendingStep, ScheduledRow, StepPlan, StepResult, StepRunner, with_token_masks
+from flare.engine.step import (PendingStep, SamplingLater, ScheduledRow, StepPlan, StepResult, StepRunner,
+                               with_token_masks)
 
 
 class InvalidRequest(ValueError):
@@ -120,6 +121,7 @@ class _Launched:
     runs_ahead: bool
     started: float = 0.0                        # time.perf_counter() when its planning began
     drafts_offered: tuple[int, int] | None = None   # (requests that could carry drafts, drafts each)
+    masked: bool = False                        # some row sampled under a grammar mask
     _result: StepResult | None = None
 
     def read(self) -> StepResult:
@@ -127,6 +129,20 @@ class _Launched:
         if self._result is None:
             self._result = self.pending.result()
         return self._result
+
+
+@dataclass
+class _Planned:
+    """A step planned and started, not yet whole: launched already (`pending`), or waiting for its
+    constrained rows' masks, with its forward running (`later`) or not started (both None)."""
+
+    scheduled: SchedulerOutput
+    masked: tuple[int, ...]                     # the plan's rows that sample under a grammar
+    pending: PendingStep | None
+    later: SamplingLater | None
+    runs_ahead: bool
+    started: float
+    offered: tuple[int, int] | None
 
 
 class EngineCore:
@@ -137,7 +153,10 @@ class EngineCore:
     the host) are read before the next plan instead. A constrained request's mask needs its previous
     token: the next step is planned and, where the runner can (`launch_before_masks`: decode graphs), its
     forward launched first, then the previous step's ids are read, the masks filled and the step's
-    sampling launched with them (the device waits only where the fill outlasts the forward)."""
+    sampling launched with them (the device waits only where the fill outlasts the forward). After a
+    constrained step's sampling the step after it is planned and its forward launched at once (`_planned`),
+    before the outputs go out: the host's work between steps (receiving, sending, stats) then overlaps
+    that forward rather than leaving the device idle behind the short sampling graph."""
 
     def __init__(self, config: EngineConfig, runner: StepRunner, eos_token_ids: Iterable[int] = (),
                  token_masker: TokenMasker | None = None, drafter: Drafter | None = None) -> None:
@@ -165,6 +184,7 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._num_computed_tokens = 0
         self._in_flight: _Launched | None = None
+        self._planned: _Planned | None = None          # the next step, planned ahead of a constrained one
 
     def warm_up_kernels(self) -> bool:
         """On a GPU, before serving: export's warm-up requests (flare.engine.compile_cache.warm_up: prompt
@@ -236,7 +256,7 @@ class EngineCore:
     def _admit_ready_grammars(self) -> None:
         """Schedule the requests whose grammars compiled since, refuse those whose grammars failed. With
         nothing else to do, wait a little for one (GRAMMAR_WAIT_S) rather than return at once."""
-        if not self.scheduler.has_unfinished() and self._in_flight is None:
+        if not self.scheduler.has_unfinished() and self._in_flight is None and self._planned is None:
             wait([future for _, future in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
         for request_id, (request, compiling) in list(self._compiling.items()):
             if compiling.done():
@@ -270,11 +290,19 @@ class EngineCore:
         if self._compiling:
             self._admit_ready_grammars()
         previous, self._in_flight = self._in_flight, None
-        launched = self._launch(previous) if self.scheduler.has_unfinished() else None
-        outputs = self._receive(previous) if previous is not None else []
+        planned, self._planned = self._planned, None
+        if planned is not None:                 # its forward runs: the masks follow the previous step's ids
+            outputs = self._receive(previous) if previous is not None else []
+            launched = self._complete(planned, None)
+        else:
+            planned = self._plan() if self.scheduler.has_unfinished() else None
+            launched = self._complete(planned, previous) if planned is not None else None
+            outputs = self._receive(previous) if previous is not None else []
         if launched is not None:
             if self.config.one_step_ahead and launched.runs_ahead:
                 self._in_flight = launched
+                if launched.masked and self._splits_steps() and self.scheduler.has_unfinished():
+                    self._planned = self._plan()
             else:
                 outputs += self._receive(launched)
         return outputs
@@ -327,9 +355,9 @@ class EngineCore:
         if request_id in self.requests or request_id in self._compiling:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
 
-    def _launch(self, previous: _Launched | None) -> _Launched | None:
-        """Plan the next step and start it; the requests advance as if it had run already. `previous` is
-        the step still in flight, whose ids the next tokens' masks may need."""
+    def _plan(self) -> _Planned | None:
+        """Plan the next step and start it, whole or, for a step with constrained rows and a runner that can
+        (`launch_before_masks`), its forward; the requests advance as if it had run already."""
         started = time.perf_counter()
         offered = self._propose_drafts() if self._speculates else None
         scheduled = self.scheduler.schedule()
@@ -337,16 +365,11 @@ class EngineCore:
             return None
         plan = scheduled.plan
         masked = self._masked_rows(scheduled)
-        # A runner that can start a step before its grammar masks does (flare.engine.step.StepRunner).
-        launch_before_masks = getattr(self.runner, "launch_before_masks", None) if masked else None
+        pending = later = None
         if not masked:
             pending = self.runner.launch(plan)
-        elif launch_before_masks is not None:
-            later = launch_before_masks(plan)           # a decode step's forward runs while the masks fill
-            pending = later.sample_with(masked, self._token_masks(scheduled, masked, previous))
-        else:
-            plan = with_token_masks(plan, masked, self._token_masks(scheduled, masked, previous))
-            pending = self.runner.launch(plan)
+        elif self._splits_steps():
+            later = self.runner.launch_before_masks(plan)   # a decode step's forward runs while the masks fill
         runs_ahead, max_model_len = True, self.config.max_model_len
         for row, request in zip(plan.rows, scheduled.requests):
             request.num_computed_tokens += row.num_fed_tokens
@@ -356,7 +379,20 @@ class EngineCore:
                 if request.tokens_left(max_model_len) <= 0:
                     self.scheduler.retire(request)          # its last token is sampled: nothing to plan
             self._commit(request)
-        return _Launched(plan, scheduled.requests, pending, runs_ahead, started, offered)
+        return _Planned(scheduled, masked, pending, later, runs_ahead, started, offered)
+
+    def _complete(self, planned: _Planned, previous: _Launched | None) -> _Launched:
+        """Launch what the planned step still lacks: its constrained rows' masks, then its sampling (or the
+        whole step). `previous` is the step still in flight, whose ids the masks may need."""
+        scheduled, masked, pending = planned.scheduled, planned.masked, planned.pending
+        if pending is None:
+            masks = self._token_masks(scheduled, masked, previous)
+            if planned.later is not None:
+                pending = planned.later.sample_with(masked, masks)
+            else:
+                pending = self.runner.launch(with_token_masks(scheduled.plan, masked, masks))
+        return _Launched(scheduled.plan, scheduled.requests, pending, planned.runs_ahead, planned.started,
+                         planned.offered, bool(masked))
 
     def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
         """Whether the request's next row may be planned before this one's ids arrive."""
@@ -383,6 +419,10 @@ class EngineCore:
             request.num_proposed_drafts = limit - len(drafts) if self.config.speculation.draft_model else 0
         return len(candidates), limit
 
+    def _splits_steps(self) -> bool:
+        """Whether the runner starts a step's forward before its masks (flare.engine.step.StepRunner)."""
+        return getattr(self.runner, "launch_before_masks", None) is not None
+
     def _masked_rows(self, scheduled: SchedulerOutput) -> tuple[int, ...]:
         """The plan's rows that sample for a constrained request."""
         masker = self.token_masker
@@ -397,9 +437,10 @@ class EngineCore:
         token is still in flight waits for `previous`'s ids here (the only step that can hold it)."""
         requests = [scheduled.requests[i] for i in masked]
         unread = [()] * len(masked)
-        if previous is not None and any(request.num_pending_outputs for request in requests):
+        in_previous = {id(request) for request in previous.requests} if previous is not None else set()
+        if any(id(request) in in_previous for request in requests):
             sampled = dict(zip(map(id, previous.requests), previous.read().token_ids))
-            unread = [sampled.get(id(request), ()) if request.num_pending_outputs else () for request in requests]
+            unread = [sampled.get(id(request), ()) for request in requests]
         return self.token_masker.next_token_masks(requests, unread)
 
     def _commit(self, request: Request) -> None:
