@@ -131,6 +131,15 @@ class _Launched:
         return self._result
 
 
+@dataclass(frozen=True)
+class _Scheduled:
+    """A step the scheduler planned, not started yet."""
+
+    scheduled: SchedulerOutput
+    started: float                              # time.perf_counter() when its planning began
+    offered: tuple[int, int] | None             # drafts offered (speculation), as _Launched.drafts_offered
+
+
 @dataclass
 class _Planned:
     """A step planned and started, not yet whole: launched already (`pending`), or waiting for its
@@ -154,8 +163,8 @@ class EngineCore:
     token: the next step is planned and, where the runner can (`launch_before_masks`: decode graphs), its
     forward launched first, then the previous step's ids are read, the masks filled and the step's
     sampling launched with them (the device waits only where the fill outlasts the forward). After a
-    constrained step's sampling the step after it is planned and its forward launched at once (`_planned`),
-    before the outputs go out: the host's work between steps (receiving, sending, stats) then overlaps
+    constrained step's masks the step after it is scheduled, the sampling launched, then that step's
+    forward (`_planned`), before the outputs go out: the host's work between steps (receiving, sending, stats) then overlaps
     that forward rather than leaving the device idle behind the short sampling graph."""
 
     def __init__(self, config: EngineConfig, runner: StepRunner, eos_token_ids: Iterable[int] = (),
@@ -291,18 +300,25 @@ class EngineCore:
             self._admit_ready_grammars()
         previous, self._in_flight = self._in_flight, None
         planned, self._planned = self._planned, None
+        following = None
         if planned is not None:                 # its forward runs: the masks follow the previous step's ids
             outputs = self._receive(previous) if previous is not None else []
-            launched = self._complete(planned, None)
+            masks = self._masks_of(planned, None)
+            # The step after it is scheduled now, on the host alone, so that its forward follows this
+            # step's sampling on the device with no more than its launch in between.
+            following = self._schedule_step() if self._plans_ahead(planned) else None
+            launched = self._complete(planned, masks)
         else:
-            planned = self._plan() if self.scheduler.has_unfinished() else None
-            launched = self._complete(planned, previous) if planned is not None else None
+            planned = self._start(self._schedule_step()) if self.scheduler.has_unfinished() else None
+            launched = self._complete(planned, self._masks_of(planned, previous)) if planned is not None else None
             outputs = self._receive(previous) if previous is not None else []
+            if planned is not None and self._plans_ahead(planned):
+                following = self._schedule_step()
+        if following is not None:
+            self._planned = self._start(following)
         if launched is not None:
             if self.config.one_step_ahead and launched.runs_ahead:
                 self._in_flight = launched
-                if launched.masked and self._splits_steps() and self.scheduler.has_unfinished():
-                    self._planned = self._plan()
             else:
                 outputs += self._receive(launched)
         return outputs
@@ -355,14 +371,19 @@ class EngineCore:
         if request_id in self.requests or request_id in self._compiling:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
 
-    def _plan(self) -> _Planned | None:
-        """Plan the next step and start it, whole or, for a step with constrained rows and a runner that can
-        (`launch_before_masks`), its forward; the requests advance as if it had run already."""
+    def _schedule_step(self) -> _Scheduled | None:
+        """Plan the next step (host only); None when nothing is to run."""
         started = time.perf_counter()
         offered = self._propose_drafts() if self._speculates else None
         scheduled = self.scheduler.schedule()
-        if not scheduled.plan.rows:
+        return _Scheduled(scheduled, started, offered) if scheduled.plan.rows else None
+
+    def _start(self, step: _Scheduled | None) -> _Planned | None:
+        """Start a scheduled step, whole or, for a step with constrained rows and a runner that can
+        (`launch_before_masks`), its forward; the requests advance as if it had run already."""
+        if step is None:
             return None
+        scheduled = step.scheduled
         plan = scheduled.plan
         masked = self._masked_rows(scheduled)
         pending = later = None
@@ -379,14 +400,23 @@ class EngineCore:
                 if request.tokens_left(max_model_len) <= 0:
                     self.scheduler.retire(request)          # its last token is sampled: nothing to plan
             self._commit(request)
-        return _Planned(scheduled, masked, pending, later, runs_ahead, started, offered)
+        return _Planned(scheduled, masked, pending, later, runs_ahead, step.started, step.offered)
 
-    def _complete(self, planned: _Planned, previous: _Launched | None) -> _Launched:
-        """Launch what the planned step still lacks: its constrained rows' masks, then its sampling (or the
-        whole step). `previous` is the step still in flight, whose ids the masks may need."""
+    def _plans_ahead(self, planned: _Planned) -> bool:
+        """Whether the step after `planned` is started before `planned`'s outputs go out: after a
+        constrained step that runs ahead, with a runner that starts forwards before masks."""
+        return (bool(planned.masked) and planned.runs_ahead and self.config.one_step_ahead
+                and self._splits_steps() and self.scheduler.has_unfinished())
+
+    def _masks_of(self, planned: _Planned, previous: _Launched | None) -> np.ndarray | None:
+        """The masks the planned step still needs (None when it was launched whole). `previous` is the step
+        still in flight, whose ids they may need."""
+        return None if planned.pending is not None else self._token_masks(planned.scheduled, planned.masked, previous)
+
+    def _complete(self, planned: _Planned, masks: np.ndarray | None) -> _Launched:
+        """Launch what the planned step still lacks: its sampling with `masks` (or the whole step)."""
         scheduled, masked, pending = planned.scheduled, planned.masked, planned.pending
         if pending is None:
-            masks = self._token_masks(scheduled, masked, previous)
             if planned.later is not None:
                 pending = planned.later.sample_with(masked, masks)
             else:
