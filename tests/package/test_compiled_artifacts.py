@@ -155,9 +155,10 @@ def test_the_packed_kernels_are_flare_s_own():
 
 def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, monkeypatch):
     """The preparation warm-up on the CPU: the same engine set-up and requests as on a GPU (a full
-    prefill chunk, a shorter remainder, then decoding beside a second prompt: a mixed step), where
-    nothing is compiled or captured, so it keeps no artifacts."""
-    seen = {"mixed_steps": 0}
+    prefill chunk, a shorter remainder, then decoding beside a second prompt: a mixed step; last a prompt
+    of a few tokens, the multi-query attention path), where nothing is compiled or captured, so it keeps
+    no artifacts."""
+    seen = {"mixed_steps": 0, "few_token_steps": 0}
     real_warm_up = compile_cache.warm_up
 
     def observed(core, vocab_size, prompt_tokens):
@@ -165,6 +166,8 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
             lengths = [row.num_new_tokens for row in plan.rows]
             if 1 in lengths and max(lengths) > 1:
                 seen["mixed_steps"] += 1
+            if lengths == [compile_cache.WARM_UP_FEW_TOKENS]:
+                seen["few_token_steps"] += 1
             return real_launch(plan)
 
         core.runner.launch = launch
@@ -177,7 +180,9 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
     assert prepared.artifacts is None and prepared.captured_sizes == ()
     assert seen["prompt_tokens"] == 64 + 32 + 1
     stats = seen["stats"]
-    assert stats.num_computed_tokens == (97 + 1) + (compile_cache.WARM_UP_SHORT_PROMPT + 1)
+    assert stats.num_computed_tokens == ((97 + 1) + (compile_cache.WARM_UP_SHORT_PROMPT + 1)
+                                         + (compile_cache.WARM_UP_FEW_TOKENS + 1))
+    assert seen["few_token_steps"] == 1
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert seen["mixed_steps"] == 1                     # the second prompt arrived while the first decoded
     assert stats.page_integrity == "ok"

@@ -144,6 +144,10 @@ def unpack_triton_kernels(data: bytes, cache_dir: Path) -> int:
 
 
 WARM_UP_SHORT_PROMPT = 40    # the second warm-up request: prefilled while the first one decodes
+# The last warm-up request: a prompt of a few tokens, which attention serves with the multi-query kernel
+# (steps of 2..16 tokens per sequence, flare.kernels.multi_query_attention.MAX_QUERY_TOKENS), as a short
+# chat turn or a prefix-cache hit's remainder does; unwarmed, the first such request built it while serving.
+WARM_UP_FEW_TOKENS = 9
 
 
 def warm_up_prompt_tokens(prefill_chunk: int, max_model_len: int) -> int:
@@ -155,7 +159,8 @@ def warm_up(core, vocab_size: int, prompt_tokens: int) -> None:
     """Run greedy requests of random ids through `core`: one of `prompt_tokens` and two output tokens
     compiles the prefill shapes (full chunks and a remainder) and replays a decode graph; when the
     engine runs two requests at once, a short second one arrives as the first decodes, so a mixed step
-    (decode and prefill kernels in one step) is compiled too."""
+    (decode and prefill kernels in one step) is compiled too. A prompt of a few tokens comes last
+    (WARM_UP_FEW_TOKENS)."""
     from flare.engine.request import EngineRequest
     from flare.engine.sampling_params import SamplingParams
 
@@ -173,6 +178,9 @@ def warm_up(core, vocab_size: int, prompt_tokens: int) -> None:
         if short_pending and first is not None and first.num_output_tokens == 1:
             core.add_request(request("flare-warm-up-mixed", WARM_UP_SHORT_PROMPT))
             short_pending = False
+    core.add_request(request("flare-warm-up-few", WARM_UP_FEW_TOKENS))
+    while core.has_unfinished():
+        core.step()
 
 
 @dataclass(frozen=True)
