@@ -145,13 +145,11 @@ class _Planned:
     """A step planned and started, not yet whole: launched already (`pending`), or waiting for its
     constrained rows' masks, with its forward running (`later`) or not started (both None)."""
 
-    scheduled: SchedulerOutput
+    step: _Scheduled
     masked: tuple[int, ...]                     # the plan's rows that sample under a grammar
     pending: PendingStep | None
     later: SamplingLater | None
     runs_ahead: bool
-    started: float
-    offered: tuple[int, int] | None
 
 
 class EngineCore:
@@ -164,8 +162,8 @@ class EngineCore:
     forward launched first, then the previous step's ids are read, the masks filled and the step's
     sampling launched with them (the device waits only where the fill outlasts the forward). After a
     constrained step's masks the step after it is scheduled, the sampling launched, then that step's
-    forward (`_planned`), before the outputs go out: the host's work between steps (receiving, sending, stats) then overlaps
-    that forward rather than leaving the device idle behind the short sampling graph."""
+    forward (`_planned`), before the outputs go out: the host's work between steps (receiving, sending,
+    stats) then overlaps that forward rather than leaving the device idle behind the short sampling graph."""
 
     def __init__(self, config: EngineConfig, runner: StepRunner, eos_token_ids: Iterable[int] = (),
                  token_masker: TokenMasker | None = None, drafter: Drafter | None = None) -> None:
@@ -207,7 +205,8 @@ class EngineCore:
         device = getattr(self.runner, "device", None)
         if getattr(device, "type", None) != "cuda" or self.has_unfinished():
             return False
-        warm_up(self, self.runner.vocab_size, warm_up_prompt_tokens(self.config.prefill_chunk, self.config.max_model_len))
+        prompt_tokens = warm_up_prompt_tokens(self.config.prefill_chunk, self.config.max_model_len)
+        warm_up(self, self.runner.vocab_size, prompt_tokens)
         self.scheduler.num_prefix_hit_tokens = self.scheduler.num_prefix_miss_tokens = 0
         self._num_computed_tokens = 0
         return True
@@ -400,7 +399,7 @@ class EngineCore:
                 if request.tokens_left(max_model_len) <= 0:
                     self.scheduler.retire(request)          # its last token is sampled: nothing to plan
             self._commit(request)
-        return _Planned(scheduled, masked, pending, later, runs_ahead, step.started, step.offered)
+        return _Planned(step, masked, pending, later, runs_ahead)
 
     def _plans_ahead(self, planned: _Planned) -> bool:
         """Whether the step after `planned` is started before `planned`'s outputs go out: after a
@@ -411,18 +410,21 @@ class EngineCore:
     def _masks_of(self, planned: _Planned, previous: _Launched | None) -> np.ndarray | None:
         """The masks the planned step still needs (None when it was launched whole). `previous` is the step
         still in flight, whose ids they may need."""
-        return None if planned.pending is not None else self._token_masks(planned.scheduled, planned.masked, previous)
+        if planned.pending is not None:
+            return None
+        return self._token_masks(planned.step.scheduled, planned.masked, previous)
 
     def _complete(self, planned: _Planned, masks: np.ndarray | None) -> _Launched:
         """Launch what the planned step still lacks: its sampling with `masks` (or the whole step)."""
-        scheduled, masked, pending = planned.scheduled, planned.masked, planned.pending
+        step, masked, pending = planned.step, planned.masked, planned.pending
+        scheduled = step.scheduled
         if pending is None:
             if planned.later is not None:
                 pending = planned.later.sample_with(masked, masks)
             else:
                 pending = self.runner.launch(with_token_masks(scheduled.plan, masked, masks))
-        return _Launched(scheduled.plan, scheduled.requests, pending, planned.runs_ahead, planned.started,
-                         planned.offered, bool(masked))
+        return _Launched(scheduled.plan, scheduled.requests, pending, planned.runs_ahead, step.started,
+                         step.offered, bool(masked))
 
     def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
         """Whether the request's next row may be planned before this one's ids arrive."""
