@@ -28,6 +28,10 @@
 #   throughput  256 requests of 1000 in / 1000 out at concurrency 256: output tok/s
 #   restart     stop the server and start it again on the prepared package: warm start-up to first answer
 #   profile-start  a restart with the engine's start under cProfile (--profile-startup): where it goes
+#   trace       restart the server with --profile-steps: serving steps TRACE_WINDOW (FIRST,COUNT, default
+#               300,20) of the phases that follow are traced into OUT/trace-K (host operators and kernels,
+#               each step's device busy time), the next COUNT under cProfile; `trace-summary` prints both
+#               (and stops the server: a restart or trace phase must follow for more serve phases)
 #   bench       `ignition bench` of the checkpoint (stops the server; later serve phases need a restart)
 # Environment: PY (python, default python3), OUT (also packed into OUT/results.tgz), WORK (scratch, default
 # /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
@@ -218,6 +222,18 @@ print(max(m.get("max_model_len") or 0 for m in json.load(sys.stdin)["data"]))' 2
     throughput) bench throughput --input-len 1000 --output-len 1000 --concurrency 256 --prompts-per-concurrency 1 \
                   --min-prompts 256 --warmup-requests 0 ;;
     restart) stop_server; log "flare run again"; start_server restart && restart_s=$startup_s ;;
+    trace)   # a restart that records serving steps TRACE_WINDOW (default 300,20) of the phases after it
+      traces=$((${traces:-0} + 1))
+      stop_server; log "flare run, steps ${TRACE_WINDOW:-300,20} recorded into trace-$traces"
+      start_server "trace-$traces" --profile-steps "$OUT/trace-$traces" \
+        --profile-steps-window "${TRACE_WINDOW:-300,20}" ;;
+    trace-summary)   # what the last trace recorded: device busy per step, then the host's costliest calls
+      stop_server   # the window is written when its last step runs; stopping ends the server's phases
+      tail -3 "$OUT/trace-${traces:-1}"/engine-steps-*.txt 2>/dev/null
+      "$PY" -c 'import glob, pstats, sys
+for path in glob.glob(sys.argv[1] + "/*.prof"):
+    pstats.Stats(path).sort_stats("tottime").print_stats(25)' "$OUT/trace-${traces:-1}" 2>&1 \
+        | grep -v '^\s*$' | cut -c1-150 | head -40 ;;
     profile-start)   # a restart whose engine start is profiled (cProfile), then its costliest calls
       stop_server; log "flare run, engine start profiled"
       start_server profiled-start --profile-startup "$OUT/startup-profile"

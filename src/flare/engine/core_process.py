@@ -17,15 +17,16 @@ import signal
 
 from flare.engine import messages
 from flare.engine.messages import AbortRequests, AddRequest, Outputs, Ready, RequestRefused, Shutdown
+from flare.engine.step_profile import Diagnostics, StepTracer
 
 IDLE_POLL_MS = 1000     # an idle core wakes this often to check that its parent is still alive
 IDLE_CHECK_DELAY_MS = 100   # quiet time after going idle before the page integrity check runs
 
 
 def run_engine_core(factory, seed: int | None, command_address: str, event_address: str,
-                    profile_dir: str | None = None, core_builder=None) -> None:
-    """Entry point of the engine-core process (multiprocessing, spawn). `profile_dir`: `flare run
-    --profile-startup DIR`, where a cProfile of building the core is written. `core_builder`: a picklable
+                    diagnostics: Diagnostics | None = None, core_builder=None) -> None:
+    """Entry point of the engine-core process (multiprocessing, spawn). `diagnostics`: what `flare run
+    --profile-startup` and `--profile-steps` ask it to record (flare.engine.step_profile). `core_builder`: a picklable
     `(LoadedModel, seed) -> EngineCore` in place of `flare.engine.factory.build_core` (benchmarks and tests
     that run the serving path around a stand-in runner)."""
     import zmq
@@ -41,11 +42,13 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
     events.connect(event_address)
     send = lambda message: events.send(messages.encode(message))
     try:
-        core = _build(factory, seed, send, profile_dir, core_builder)
+        diagnostics = diagnostics or Diagnostics()
+        core = _build(factory, seed, send, diagnostics.startup_profile_dir, core_builder)
         core.warm_up_kernels()                         # the eager steps' kernels, loaded before serving
         core.kernel_builds.watch()                     # from here on a build stalls serving: count them
         send(Ready(core.config, core.runner.vocab_size, tuple(sorted(core.eos_token_ids)), core.stats()))
-        _serve(core, commands, send, parent)
+        tracer = StepTracer(diagnostics) if diagnostics.step_trace_dir else None
+        _serve(core, commands, send, parent, tracer)
     except Exception as error:
         send(messages.failure(error))
     finally:
@@ -76,7 +79,7 @@ def _build(factory, seed, send, profile_dir: str | None = None, core_builder=Non
         profiler.dump_stats(os.path.join(profile_dir, f"engine-start-{os.getpid()}.prof"))
 
 
-def _serve(core, commands, send, parent: int) -> None:
+def _serve(core, commands, send, parent: int, tracer: StepTracer | None = None) -> None:
     check_due = False                                # went idle since the last page check
     while os.getppid() == parent:                    # else the frontend died without saying goodbye
         timeout = 0 if core.has_unfinished() else IDLE_CHECK_DELAY_MS if check_due else IDLE_POLL_MS
@@ -97,7 +100,10 @@ def _serve(core, commands, send, parent: int) -> None:
             send(Outputs([], core.stats(check_integrity=True)))
             check_due = False
             continue
-        produced = core.step() if core.has_unfinished() else []
+        if not core.has_unfinished():
+            produced = []
+        else:
+            produced = tracer(core.step) if tracer is not None else core.step()
         refused = core.take_refused()                # grammars that failed to compile during the step
         for request in refused:
             send(RequestRefused(request.request_id, request.reason))

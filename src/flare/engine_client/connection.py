@@ -53,10 +53,11 @@ class CoreConnection:
         self.ready: Ready | None = None
 
     @classmethod
-    def spawn(cls, factory, seed: int | None = None, profile_dir: str | None = None,
+    def spawn(cls, factory, seed: int | None = None, diagnostics=None,
               core_builder=None) -> CoreConnection:
         """Start the engine-core process; it builds its model from `factory` (a picklable ModelFactory),
-        under cProfile into `profile_dir` when one is given (`flare run --profile-startup`), and its core
+        recording what `diagnostics` asks (flare.engine.step_profile.Diagnostics: `flare run
+        --profile-startup`, `--profile-steps`; None: nothing), and its core
         with `core_builder` (picklable, `(LoadedModel, seed) -> EngineCore`; default
         `flare.engine.factory.build_core`: benchmarks put a stand-in runner there)."""
         import zmq
@@ -69,7 +70,7 @@ class CoreConnection:
         events.bind(f"ipc://{socket_dir}/events")
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="flare-engine-core", daemon=True,
-            args=(factory, seed, f"ipc://{socket_dir}/commands", f"ipc://{socket_dir}/events", profile_dir,
+            args=(factory, seed, f"ipc://{socket_dir}/commands", f"ipc://{socket_dir}/events", diagnostics,
                   core_builder))
         process.start()
         return cls(process, context, commands, events, socket_dir)

@@ -82,10 +82,10 @@ def start_in_process(model: ServedModel, engine_config: Any, device: str, stages
 
 
 def start_engine_process(model: ServedModel, engine_config: Any, device: str, stages: StageReporter,
-                         profile_dir: str | None = None):
+                         diagnostics=None):
     """flare run: the engine core loads the package in its own process; its start-up messages drive the
-    stages while the tokenizer loads here. `profile_dir` (--profile-startup) gets a cProfile of the
-    core's start. Returns (AsyncEngine, Tokenizer)."""
+    stages while the tokenizer loads here. `diagnostics` (flare.engine.step_profile.Diagnostics:
+    --profile-startup, --profile-steps) says what the core's process records. Returns (AsyncEngine, Tokenizer)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from flare.engine.factory import ModelFactory
@@ -98,7 +98,7 @@ def start_engine_process(model: ServedModel, engine_config: Any, device: str, st
                            {"tokenizer_dir": str(model.frontend_dir)})
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-tokenizer") as loader:
         tokenizer = loader.submit(load_tokenizer, model.frontend_dir)
-        connection = CoreConnection.spawn(factory, profile_dir=profile_dir)
+        connection = CoreConnection.spawn(factory, diagnostics=diagnostics)
         try:
             engine = _follow_startup(connection, tokenizer, model, engine_config, device, stages)
         except BaseException as error:

@@ -40,6 +40,8 @@ class ListenerOptions:
     max_step_ms: float | None = None        # --scheduler-max-step-ms; None: [scheduler] max_step_ms, else the default
     gpus: tuple[int, ...] | None = None     # --gpus; None: the first visible GPU (or the CPU)
     profile_startup: Path | None = None     # --profile-startup DIR: a cProfile of the engine core's start
+    profile_steps: Path | None = None       # --profile-steps DIR: traces of a window of serving steps
+    profile_steps_window: tuple[int, int] | None = None   # --profile-steps-window FIRST,COUNT; None: defaults
     speculation: Any = None                 # flare.speculation_plan.ServingFlags; None: the package's defaults
 
 
@@ -129,8 +131,8 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve, speculation)
     engine_config = serving_engine_config(model, concurrency, pool, cadence.policy, speculation)
     if model.package_path is not None:
-        profile_dir = str(listener_options.profile_startup) if listener_options.profile_startup else None
-        engine, tokenizer = start_engine_process(model, engine_config, device, stages, profile_dir)
+        engine, tokenizer = start_engine_process(model, engine_config, device, stages,
+                                                 engine_diagnostics(listener_options))
     else:
         engine, tokenizer = start_in_process(model, engine_config, device, stages)
     try:
@@ -182,6 +184,19 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
         *([f"  cadence: {cadence}"] if cadence else []),
         f"  {speculation_line(engine_config.speculation)}",
     ]
+
+
+def engine_diagnostics(listener: ListenerOptions):
+    """What the engine core's process records (--profile-startup, --profile-steps); None: nothing."""
+    from flare.engine.step_profile import Diagnostics
+
+    if listener.profile_startup is None and listener.profile_steps is None:
+        return None
+    window = {}
+    if listener.profile_steps_window is not None:
+        window = dict(zip(("step_trace_first", "step_trace_count"), listener.profile_steps_window))
+    return Diagnostics(str(listener.profile_startup) if listener.profile_startup else None,
+                       str(listener.profile_steps) if listener.profile_steps else None, **window)
 
 
 def serving_speculation_settings(listener: ListenerOptions, model: ServedModel):

@@ -50,6 +50,14 @@ def configure(parser):
     scheduling.add_argument("--profile-startup", type=Path, metavar="DIR",
                             help="write a cProfile of the engine core's start (loading, compiling, capturing) "
                                  "into DIR, a diagnostic for slow starts (default: off)")
+    scheduling.add_argument("--profile-steps", type=Path, metavar="DIR",
+                            help="record a window of serving steps into DIR: a trace of host operators and "
+                                 "GPU kernels (Chrome trace, with each step's device busy time and longest "
+                                 "gap), then a cProfile of the next as many steps; recorded steps run slower "
+                                 "(default: off)")
+    scheduling.add_argument("--profile-steps-window", metavar="FIRST,COUNT",
+                            help="with --profile-steps: the first serving step recorded and how many "
+                                 "(default: 200,20)")
     download = parser.add_argument_group("repository download (for ORG/NAME[@REVISION])")
     from flare.cli.commands.download import add_download_arguments
 
@@ -78,17 +86,35 @@ def run(args) -> int:
     for setting, value in ((MAX_CONCURRENCY, args.max_concurrency), (PORT, args.port),
                            (SERVING_MEMORY, args.memory_limit), (MAX_STEP_MS, args.scheduler_max_step_ms)):
         check_flag(setting, value)
+    window = profile_steps_window(args)
     args.configuration = _configuration(args)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
                                kv_cache_limit=args.kv_cache_limit, memory_limit=args.memory_limit,
                                scheduler_policy=policy, max_step_ms=args.scheduler_max_step_ms,
                                gpus=parse_gpus(args.gpus) if args.gpus else None,
-                               profile_startup=args.profile_startup, speculation=serving_flags(args))
+                               profile_startup=args.profile_startup, profile_steps=args.profile_steps,
+                               profile_steps_window=window, speculation=serving_flags(args))
     options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
                          config=args.configuration, model_cache=args.model_cache,
                          download=download_options_from_args(args))
     return run_package(options)
+
+
+def profile_steps_window(args) -> tuple[int, int] | None:
+    """--profile-steps-window as (first, count); UsageError for a bad value or one without --profile-steps."""
+    from flare.engine.step_profile import parse_window
+    from flare.errors import UsageError
+
+    if args.profile_steps_window is None:
+        return None
+    if args.profile_steps is None:
+        raise UsageError("--profile-steps-window sets the window of --profile-steps: add --profile-steps DIR, "
+                         "or drop the window")
+    try:
+        return parse_window(args.profile_steps_window)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def scheduler_policy_from_args(args):
