@@ -230,6 +230,9 @@ def main() -> None:
                         help="where the variants run (cuda: bfloat16 through the serving kernels)")
     parser.add_argument("--chunk", type=int, default=CHUNK, help="tokens per step through the cache (1: decode)")
     parser.add_argument("--max-len", type=int, default=512, help="tokens per sequence at most")
+    parser.add_argument("--documents", type=int, default=None,
+                        help="evaluate the first N texts of each model only (default: all; with --chunk 1 "
+                             "every token is its own step, so a GPU run over all 63 held-out documents is long)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/flare-fp8-accuracy"),
                         help="where the gpu-trained checkpoint is trained once and kept")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -243,6 +246,7 @@ def main() -> None:
               else "cpu (torch reference of the FP8 kernels)")
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "commit": commit, "device": device, "torch": torch.__version__, "chunk_tokens": args.chunk,
+               "documents_per_model": args.documents or "all",
                "models": {}}
     for model in args.models:
         training = None
@@ -252,6 +256,7 @@ def main() -> None:
             directory, texts = demo_text()
         else:
             directory, texts, training = gpu_trained(args.work / "gpu-trained")
+        texts = texts[:args.documents] if args.documents else texts
         results["models"][model] = evaluate(directory, texts, args.max_len, args.device, args.chunk)
         if training:
             results["models"][model]["training"] = training

@@ -175,9 +175,15 @@ def main() -> int:
     parser.add_argument("--drafts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--train-only", action="store_true",
+                        help="with --gpu-trained: train (or reuse) the pair and stop, measuring nothing")
     args = parser.parse_args()
+    if args.train_only and args.gpu_trained is None:
+        parser.error("--train-only trains the --gpu-trained pair: name its directory")
     if args.gpu_trained is not None:
         training = train_gpu_pair(args.gpu_trained)
+        if args.train_only:
+            return 0
         directory = args.gpu_trained
         plain, repeating = corpus_prompts()
     else:

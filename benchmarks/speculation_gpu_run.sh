@@ -13,7 +13,8 @@
 #             first third again (answers that repeat their prompts): ordinary decoding (--mtp-draft-tokens 0),
 #             history drafts (--history-drafts), the draft model, both; /metrics before and after each run
 # Environment: PY (default python3), OUT (default /tmp/flare-speculation), WORK (default /tmp/flare-spec-work),
-# PORT (default 8012), WHEELS (a folder of wheels to install from first, default .whl).
+# PORT (default 8012), WHEELS (a folder of wheels to install from first, default .whl), SERVERS (the serve phase's
+# servers, default "plain history draft both").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
@@ -72,7 +73,10 @@ serve_one() {   # $1: label, $2: package entry, then flare run flags
 }
 
 phase_serve() {
-  [ -f "$WORK/trained/training.json" ] || phase_acceptance
+  if [ ! -f "$WORK/trained/training.json" ]; then     # the serve phase alone trains the pair, measuring nothing
+    log "target and draft trained from the demo corpus"
+    "$PY" benchmarks/speculation_acceptance.py --device cuda --gpu-trained "$WORK/trained" --train-only 2>&1 | tail -4
+  fi
   "$PY" - "$WORK" <<'PY'
 import json, sys
 sys.path.insert(0, "benchmarks")
@@ -84,13 +88,17 @@ PY
   find "$WORK/trained" -maxdepth 1 -type f -exec cp {} "$WORK/target-only/" \;
   log "export: the target alone (history drafts), and with its draft model"
   ignition export "$WORK/target-only" --max-concurrency 32 --mtp-draft-tokens 4 > "$WORK/entry-history" 2> "$OUT/export-history.log" || { tail "$OUT/export-history.log"; return 1; }
-  ignition export "$WORK/trained" --max-concurrency 32 --mtp-draft-tokens 4 > "$WORK/entry-draft" 2> "$OUT/export-draft.log" || { tail "$OUT/export-draft.log"; return 1; }
-  local history draft
-  history=$(tail -1 "$WORK/entry-history"); draft=$(tail -1 "$WORK/entry-draft")
-  serve_one plain "$history" --mtp-draft-tokens 0 --served-model-name demo-trained
-  serve_one history "$history" --history-drafts --served-model-name demo-trained
-  serve_one draft "$draft" --served-model-name demo-trained
-  serve_one both "$draft" --history-drafts --served-model-name demo-trained
+  local history draft servers=" ${SERVERS:-plain history draft both} "
+  history=$(tail -1 "$WORK/entry-history")
+  case $servers in
+    *" draft "*|*" both "*)
+      ignition export "$WORK/trained" --max-concurrency 32 --mtp-draft-tokens 4 > "$WORK/entry-draft" 2> "$OUT/export-draft.log" || { tail "$OUT/export-draft.log"; return 1; }
+      draft=$(tail -1 "$WORK/entry-draft") ;;
+  esac
+  case $servers in *" plain "*) serve_one plain "$history" --mtp-draft-tokens 0 --served-model-name demo-trained ;; esac
+  case $servers in *" history "*) serve_one history "$history" --history-drafts --served-model-name demo-trained ;; esac
+  case $servers in *" draft "*) serve_one draft "$draft" --served-model-name demo-trained ;; esac
+  case $servers in *" both "*) serve_one both "$draft" --history-drafts --served-model-name demo-trained ;; esac
   "$PY" - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]

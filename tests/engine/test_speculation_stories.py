@@ -124,3 +124,46 @@ def test_logprobs_of_verified_tokens_are_the_models(stories260k, checked):
         assert entry.token_id == output.new_token_ids[step] and entry.rank == 1
         assert entry.logprob == pytest.approx(row.max().item(), abs=1e-4)
         assert [t for t, _ in entry.top] == row.topk(2).indices.tolist()
+
+
+def alternating(llm, interval: int = 3) -> list[bool]:
+    """Make the core's verification width prefer plain steps run ahead, with a trial round of drafts after
+    every `interval` of them (measurements frozen, so the hand-overs do not depend on this machine's
+    timing); returns the list its `runs_ahead` answers are appended to."""
+    from flare.engine.speculation.adaptive import _Average
+
+    widths = llm.core.widths
+    for bucket in widths.buckets:
+        widths.costs[(bucket, 1)] = _Average(1.0, count=10)
+        widths.ahead_costs[bucket] = _Average(0.1, count=10)
+    widths.observe_step = widths.observe_ahead = lambda *args: None
+    widths.interval = interval
+    answers: list[bool] = []
+    runs_ahead = widths.runs_ahead
+
+    def recorded(batch: int) -> bool:
+        answers.append(runs_ahead(batch))
+        widths.interval = interval              # a lost trial would double it
+        return answers[-1]
+    widths.runs_ahead = recorded
+    return answers
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_plain_steps_run_ahead_between_drafted_rounds_and_change_no_token(stories260k, checked, plain, sampled):
+    """Where plain decoding run ahead costs less than drafted rounds, steps alternate between the two:
+    greedy and seeded sampled output stay the output without drafts, and every page is given back."""
+    if sampled:
+        params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=60, seed=seed) for seed in (1, 2, 3, 4)]
+        expected, _ = generate(stories260k, checked, PROMPTS, params)
+    else:
+        params, expected = SamplingParams(temperature=0, max_tokens=80), plain
+    config = EngineConfig(page_size=16, num_pages=64, max_model_len=512, speculation=HISTORY)
+    llm = checked(LLMEngine.from_checkpoint(stories260k, config, seed=0))
+    answers = alternating(llm)
+    outputs = llm.generate(PROMPTS, params)
+    assert [list(o.new_token_ids) for o in outputs] == expected
+    assert answers.count(True) > 10 and answers.count(False) > 2, "the test needs both kinds of steps"
+    assert llm.core.stats().speculative_rounds > 0
+    llm.check_integrity()
+    assert llm.core.allocator.num_used_pages == 0

@@ -85,3 +85,60 @@ def test_alpha_below_one_favours_longer_prefixes():
         for accepted in (0, 1) * 20:
             w.observe_round(2, accepted)
     assert widths._tokens(2) > low._tokens(2)
+
+
+def served(widths: VerificationWidth, batch: int, round_cost, ahead_cost: float, accepted_of_drafts,
+           steps: int = 600) -> list[tuple[int, bool]]:
+    """Drive the width as the engine core does: a step that ran ahead leaves no request free to draft
+    for, so the next step is plain too (it asks `runs_ahead` again); otherwise the step is offered drafts.
+    Returns (drafts, ran ahead) per step."""
+    chosen, ahead = [], False
+    for _ in range(steps):
+        drafts = 0 if ahead else widths.drafts_for(batch)
+        ahead = drafts == 0 and widths.runs_ahead(batch)
+        if ahead:
+            widths.observe_ahead(batch, ahead_cost)
+        else:
+            widths.observe_step(batch, drafts, round_cost(drafts + 1))
+        if drafts:
+            widths.observe_coverage(batch, batch)
+            for _ in range(batch):
+                widths.observe_round(drafts, accepted_of_drafts(drafts))
+        chosen.append((drafts, ahead))
+    return chosen
+
+
+def test_plain_decoding_run_ahead_beats_rounds_that_cost_more_than_they_bring():
+    """Rounds read before the next plan cost 2.5x a plain step run ahead and bring 1.5 tokens: the width
+    settles on plain steps run ahead, trying drafts again at doubling intervals."""
+    widths = VerificationWidth(max_drafts=4)
+    chosen = served(widths, 8, lambda width: 2.5, 1.0, lambda drafts: min(drafts, 1) if drafts else 0)
+    tail = chosen[len(chosen) // 2:]
+    assert sum(ahead for _, ahead in tail) > 0.95 * len(tail)
+    assert any(drafts for drafts, _ in tail), "drafts are still tried now and then"
+    assert widths.interval > 16
+
+
+def test_rounds_that_pay_stop_plain_decoding_from_running_ahead():
+    """Every draft accepted and a round costing 1.2x a plain step: the rounds win and keep winning."""
+    widths = VerificationWidth(max_drafts=4)
+    chosen = served(widths, 8, lambda width: 1.2, 1.0, lambda drafts: drafts)
+    tail = chosen[len(chosen) // 2:]
+    assert sum(drafts == 4 for drafts, _ in tail) > 0.9 * len(tail)
+
+
+def test_requests_without_drafts_count_against_the_round():
+    """History drafts found for one request in eight: a round's expected tokens are mostly the one
+    token every request gets."""
+    widths = VerificationWidth(max_drafts=4)
+    for _ in range(100):
+        widths.observe_round(4, 4)
+        widths.observe_coverage(8, 1)
+    assert abs(widths._tokens(5) - (1 + 4 / 8)) < 0.05
+
+
+def test_fixed_selection_never_runs_plain_steps_ahead():
+    widths = VerificationWidth(max_drafts=4, adaptive=False)
+    assert not any(widths.runs_ahead(8) for _ in range(50))
+    capped = VerificationWidth(max_drafts=4, adaptive=False, max_rows=8, buckets=(1, 8))
+    assert capped.runs_ahead(8), "no drafts fit this batch: nothing to wait for"

@@ -119,7 +119,6 @@ class _Launched:
     requests: tuple[Request, ...]
     pending: PendingStep
     runs_ahead: bool
-    started: float = 0.0                        # time.perf_counter() when its planning began
     drafts_offered: tuple[int, int] | None = None   # (requests that could carry drafts, drafts each)
     masked: bool = False                        # some row sampled under a grammar mask
     _result: StepResult | None = None
@@ -136,8 +135,8 @@ class _Scheduled:
     """A step the scheduler planned, not started yet."""
 
     scheduled: SchedulerOutput
-    started: float                              # time.perf_counter() when its planning began
     offered: tuple[int, int] | None             # drafts offered (speculation), as _Launched.drafts_offered
+    ahead: bool = True                          # speculation lets it run ahead (a plain step, adaptive.runs_ahead)
 
 
 @dataclass
@@ -180,6 +179,9 @@ class EngineCore:
         self.kernel_builds = KernelBuilds()            # counts once the core process starts serving
         # Steps are planned with drafts: from the drafter, or proposed by the runner's draft model.
         self._speculates = speculation.draft_tokens > 0 and (drafter is not None or speculation.draft_model)
+        # Whether a step without drafts may run ahead while speculating: with history drafts alone (a draft
+        # model absorbs every step's tokens beside the step, and is not run ahead).
+        self._plain_steps_run_ahead = not speculation.draft_model
         self.widths = VerificationWidth(speculation.draft_tokens, speculation.adaptive, speculation.alpha,
                                         speculation.max_verification_tokens, speculation.exact_verification_tokens,
                                         config.decode_graph_sizes)
@@ -192,6 +194,8 @@ class EngineCore:
         self._num_computed_tokens = 0
         self._in_flight: _Launched | None = None
         self._planned: _Planned | None = None          # the next step, planned ahead of a constrained one
+        self._step_calls = 0
+        self._last_answer: tuple[int, float] | None = None    # (step call, perf_counter) of the last step read
 
     def warm_up_kernels(self) -> bool:
         """On a GPU, before serving: export's warm-up requests (flare.engine.compile_cache.warm_up: prompt
@@ -295,6 +299,7 @@ class EngineCore:
         """Launch the next step, then return the news of every request that got a token: from the step
         launched before it (one step ahead), or from this one when it cannot run ahead. Requests whose
         grammars compiled are scheduled first (those that failed go to `take_refused`)."""
+        self._step_calls += 1
         if self._compiling:
             self._admit_ready_grammars()
         previous, self._in_flight = self._in_flight, None
@@ -372,10 +377,11 @@ class EngineCore:
 
     def _schedule_step(self) -> _Scheduled | None:
         """Plan the next step (host only); None when nothing is to run."""
-        started = time.perf_counter()
         offered = self._propose_drafts() if self._speculates else None
+        ahead = offered is None or (offered[1] == 0 and self._plain_steps_run_ahead
+                                    and self.widths.runs_ahead(len(self.scheduler.running)))
         scheduled = self.scheduler.schedule()
-        return _Scheduled(scheduled, started, offered) if scheduled.plan.rows else None
+        return _Scheduled(scheduled, offered, ahead) if scheduled.plan.rows else None
 
     def _start(self, step: _Scheduled | None) -> _Planned | None:
         """Start a scheduled step, whole or, for a step with constrained rows and a runner that can
@@ -395,7 +401,7 @@ class EngineCore:
             request.num_computed_tokens += row.num_fed_tokens
             if row.samples:
                 request.num_pending_outputs += 1
-                runs_ahead = runs_ahead and self._samples_ahead(row, request)
+                runs_ahead = runs_ahead and self._samples_ahead(row, request, step.ahead)
                 if request.tokens_left(max_model_len) <= 0:
                     self.scheduler.retire(request)          # its last token is sampled: nothing to plan
             self._commit(request)
@@ -423,12 +429,13 @@ class EngineCore:
                 pending = planned.later.sample_with(masked, masks)
             else:
                 pending = self.runner.launch(with_token_masks(scheduled.plan, masked, masks))
-        return _Launched(scheduled.plan, scheduled.requests, pending, planned.runs_ahead, step.started,
-                         step.offered, bool(masked))
+        return _Launched(scheduled.plan, scheduled.requests, pending, planned.runs_ahead, step.offered,
+                         bool(masked))
 
-    def _samples_ahead(self, row: ScheduledRow, request: Request) -> bool:
-        """Whether the request's next row may be planned before this one's ids arrive."""
-        if row.num_drafts or self._speculates:
+    def _samples_ahead(self, row: ScheduledRow, request: Request, ahead: bool) -> bool:
+        """Whether the request's next row may be planned before this one's ids arrive (`ahead`: whether
+        speculation lets the step run ahead)."""
+        if row.num_drafts or (self._speculates and not ahead):
             return False
         if request.samples_ahead is None:                   # its params never change: ask once
             request.samples_ahead = self.runner.samples_ahead(request.params)
@@ -511,9 +518,29 @@ class EngineCore:
                     self.widths.observe_round(row.num_drafts, len(token_ids) - 1)
                 outputs.append(self._append_tokens(request, token_ids, result.row_logprobs(index)))
         self._num_computed_tokens += computed
-        if launched.drafts_offered is not None and not launched.runs_ahead:
-            self.widths.observe_step(*launched.drafts_offered, time.perf_counter() - launched.started)
+        self._observe_speculation(launched)
         return outputs
+
+    def _observe_speculation(self, launched: _Launched) -> None:
+        """What a decode step of a speculating core cost, from the previous step's answer to its own (one
+        step call apart at most: the loop did not wait for requests in between), and how many of the
+        requests offered drafts carried some."""
+        now = time.perf_counter()
+        last, self._last_answer = self._last_answer, (self._step_calls, now)
+        if launched.drafts_offered is None:
+            return
+        offered, drafts = launched.drafts_offered
+        rows = launched.plan.rows
+        if drafts:
+            self.widths.observe_coverage(offered, sum(1 for row in rows if row.samples and row.num_drafts))
+        if last is None or last[0] < self._step_calls - 1:
+            return
+        if not all(row.samples and row.num_fed_tokens == 1 for row in rows):
+            return                              # a prompt chunk rode along: not a decode step's cost
+        if launched.runs_ahead:
+            self.widths.observe_ahead(len(rows), now - last[1])
+        else:
+            self.widths.observe_step(offered, drafts, now - last[1])
 
     def _append_tokens(self, request: Request, token_ids, logprobs) -> CoreOutput:
         """The ids one sampling row brought (accepted drafts, then a sampled one), up to a finish."""

@@ -14,6 +14,17 @@ by a row-count model (a step's cost grows little with its rows while the weights
 every `EXPLORE_EVERY`-th step tries the least measured width next to the best, so the estimates stay
 current.
 
+Plain decoding has a cost of its own to beat: a step without drafts may be planned before the previous
+step's ids arrive (one step ahead, the host's work hidden behind the device's), while a drafted step
+cannot, since its drafts follow from those ids. So width one is priced at the measured seconds per step
+of plain decoding run ahead (`observe_ahead`) once both kinds are measured at a bucket, and the expected
+tokens of a wider round count only the share of requests that carried drafts (`observe_coverage`:
+history drafts find a continuation for some requests only). While plain decoding wins, steps run ahead
+(`runs_ahead`); after `interval` of them in a row one step is read before the next is planned, and the
+next step is a trial round at the best wider width. A trial that loses doubles the interval (up to
+`LONGEST_RUN_AHEAD` steps); one that wins ends the run. Every cost is the wall time between two
+consecutive steps' answers (host and device together), for plain and drafted steps alike.
+
 The widths a batch may use are the catalog's (flare.speculation_plan): with B requests, rounded up to
 the batch capacity b that holds them (`buckets`, the decode capacities), each W with b * W within
 `max_rows` (the speculative token capacity, or `--mtp-max-verification-token-budget` below it); with
@@ -30,6 +41,8 @@ DECAY = 0.05                # weight of the newest observation in the moving ave
 EXPLORE_EVERY = 16          # every this many speculative steps, measure a neighbouring width
 PRIOR_ACCEPTANCE = 0.6      # conditional acceptance assumed before any round at a position
 PRIOR_ROW_COST = 0.01       # relative cost of one more target row, before any measurement
+FIRST_RUN_AHEAD = 16        # steps of plain decoding run ahead before drafts are tried again
+LONGEST_RUN_AHEAD = 512     # the most, after trials that lost to plain decoding
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -56,7 +69,13 @@ class VerificationWidth:
     buckets: tuple[int, ...] = BUCKETS
     acceptance: list[_Average] = field(default_factory=list)
     costs: dict[tuple[int, int], _Average] = field(default_factory=dict)
+    ahead_costs: dict[int, _Average] = field(default_factory=dict)    # bucket -> seconds per plain step run ahead
+    coverage: _Average = field(default_factory=lambda: _Average(1.0))  # share of offered requests with drafts
     steps: int = 0
+    interval: int = FIRST_RUN_AHEAD     # plain steps run ahead before the next trial of drafts
+    _run: int = 0                       # plain steps run ahead in a row so far
+    _trial: bool = False                # the next drafted step tries drafts whatever plain decoding costs
+    _judging: bool = False              # the step after a trial: its choice judges the trial
 
     def __post_init__(self) -> None:
         self.acceptance = [_Average(PRIOR_ACCEPTANCE) for _ in range(self.max_drafts)]
@@ -70,12 +89,39 @@ class VerificationWidth:
             return allowed[-1] - 1
         self.steps += 1
         bucket = self._bucket(batch)
-        best = max(allowed, key=lambda width: batch * self._tokens(width) / self._cost(bucket, width))
-        if self.steps % EXPLORE_EVERY == 0:
-            at = allowed.index(best)
-            neighbours = allowed[max(0, at - 1):at] + allowed[at + 1:at + 2]
-            best = min(neighbours, key=lambda w: self._measured(bucket, w), default=best)
+        trial, self._trial = self._trial, False
+        choices = allowed[1:] if trial else allowed
+        best = max(choices, key=lambda width: batch * self._tokens(width) / self._price(bucket, width))
+        if trial:
+            self._judging = True
+        elif self.steps % EXPLORE_EVERY == 0:
+            if best > 1 and bucket not in self.ahead_costs:
+                best = 1                        # plain decoding run ahead, not measured here yet
+            else:
+                at = allowed.index(best)
+                neighbours = allowed[max(0, at - 1):at] + allowed[at + 1:at + 2]
+                best = min(neighbours, key=lambda w: self._measured(bucket, w), default=best)
+        elif self._judging:
+            self._judging = False
+            self.interval = min(2 * self.interval, LONGEST_RUN_AHEAD) if best == 1 else FIRST_RUN_AHEAD
+        if best > 1:
+            self._run = 0
         return best - 1
+
+    def runs_ahead(self, batch: int) -> bool:
+        """Whether a step that carries no drafts, with `batch` requests decoding, may be planned ahead of
+        the previous step's ids (see the module's docstring): never under fixed selection, where every step
+        offers drafts; always where the catalog allows no drafts at this batch."""
+        if self._widths(batch) == [1]:
+            return True
+        if not self.adaptive or batch == 0:
+            return False
+        self._run += 1
+        if self._run > self.interval:
+            self._run = 0
+            self._trial = True
+            return False
+        return True
 
     def observe_round(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verified round: drafts 1..num_accepted survived, draft num_accepted + 1 did not."""
@@ -91,6 +137,16 @@ class VerificationWidth:
         if batch and seconds > 0:
             key = (self._bucket(batch), drafts + 1)
             self.costs.setdefault(key, _Average(seconds)).add(seconds)
+
+    def observe_ahead(self, batch: int, seconds: float) -> None:
+        """The wall time of a step of plain decoding run ahead, with `batch` requests decoding."""
+        if batch and seconds > 0:
+            self.ahead_costs.setdefault(self._bucket(batch), _Average(seconds)).add(seconds)
+
+    def observe_coverage(self, offered: int, drafted: int) -> None:
+        """A step offered drafts to `offered` requests, and `drafted` of them carried some."""
+        if offered:
+            self.coverage.add(drafted / offered)
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -111,11 +167,19 @@ class VerificationWidth:
 
     def _tokens(self, width: int) -> float:
         """Expected tokens a request gets from a round of this width."""
-        total, survival = 1.0, 1.0
+        total, survival = 0.0, 1.0
         for position in range(width - 1):
             survival *= min(1.0, max(0.0, self.acceptance[position].value))
             total += survival ** self.alpha
-        return total
+        return 1.0 + self.coverage.value * total
+
+    def _price(self, bucket: int, width: int) -> float:
+        """A step's cost at this width: plain decoding run ahead for width one where both it and a step
+        read before the next plan are measured here (their seconds compare), else `_cost`."""
+        ahead = self.ahead_costs.get(bucket)
+        if width == 1 and ahead is not None and any(b == bucket for b, _ in self.costs):
+            return ahead.value
+        return self._cost(bucket, width)
 
     def _measured(self, bucket: int, width: int) -> int:
         found = self.costs.get((bucket, width))
