@@ -108,6 +108,13 @@ class DecodeGraphs:
         words = -(-slots.sampler.vocab_size // 32) if slots.sampler is not None else 1
         self.bitmask = torch.full((largest, words), -1, dtype=torch.int32, device=device)
         self._masked_rows = 0                   # leading rows of `bitmask` that hold a grammar's mask
+        # The masks reach `bitmask` through one page-locked buffer of ours: pinning a fresh host copy per
+        # step (batch_slots.to_device) cost ~0.8 ms a call for these ~300 KB on the H200 host, inside the
+        # time a constrained step's forward leaves the host (docs/performance.md). A copy waits for the
+        # previous one to have left the buffer (`_mask_copied`), long done by then.
+        self._mask_staging = (torch.empty((largest, words), dtype=torch.int32, pin_memory=True)
+                              if device.type == "cuda" else None)
+        self._mask_copied: torch.cuda.Event | None = None
         self.graphs: dict[int, CapturedStep] = {}
         # The step between its two halves: its launch, hidden states and logits (None: no step is).
         self._forwarded: tuple[ForwardLaunch, torch.Tensor, torch.Tensor] | None = None
@@ -231,5 +238,15 @@ class DecodeGraphs:
             if bitmask.shape[1] != self.bitmask.shape[1]:
                 raise ValueError(f"a token mask of {bitmask.shape[1]} words, but this vocabulary needs "
                                  f"{self.bitmask.shape[1]}")
-            self.bitmask[:len(bitmask)].copy_(to_device(bitmask, self.bitmask.device))
-            self._masked_rows = len(bitmask)
+            rows = len(bitmask)
+            if self._mask_staging is None:
+                self.bitmask[:rows].copy_(to_device(bitmask, self.bitmask.device))
+            else:
+                if self._mask_copied is not None:
+                    self._mask_copied.synchronize()
+                staging = self._mask_staging[:rows]
+                staging.numpy()[...] = bitmask
+                self.bitmask[:rows].copy_(staging, non_blocking=True)
+                self._mask_copied = torch.cuda.Event()
+                self._mask_copied.record()
+            self._masked_rows = rows
