@@ -188,15 +188,13 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
 
 def engine_diagnostics(listener: ListenerOptions):
     """What the engine core's process records (--profile-startup, --profile-steps); None: nothing."""
-    from flare.engine.step_profile import Diagnostics
+    from flare.engine.step_profile import DEFAULT_FIRST_STEP, DEFAULT_STEP_COUNT, Diagnostics
 
     if listener.profile_startup is None and listener.profile_steps is None:
         return None
-    window = {}
-    if listener.profile_steps_window is not None:
-        window = dict(zip(("step_trace_first", "step_trace_count"), listener.profile_steps_window))
+    first, count = listener.profile_steps_window or (DEFAULT_FIRST_STEP, DEFAULT_STEP_COUNT)
     return Diagnostics(str(listener.profile_startup) if listener.profile_startup else None,
-                       str(listener.profile_steps) if listener.profile_steps else None, **window)
+                       str(listener.profile_steps) if listener.profile_steps else None, first, count)
 
 
 def serving_speculation_settings(listener: ListenerOptions, model: ServedModel):
