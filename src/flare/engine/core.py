@@ -525,10 +525,10 @@ class EngineCore:
         """What a decode step of a speculating core cost, from the previous step's answer to its own (one
         step call apart at most: the loop did not wait for requests in between), and how many of the
         requests offered drafts carried some."""
+        if launched.drafts_offered is None:     # not speculating: nothing to measure
+            return
         now = time.perf_counter()
         last, self._last_answer = self._last_answer, (self._step_calls, now)
-        if launched.drafts_offered is None:
-            return
         offered, drafts = launched.drafts_offered
         rows = launched.plan.rows
         if drafts:
