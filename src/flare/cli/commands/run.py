@@ -47,17 +47,7 @@ def configure(parser):
                             help="balanced: the longest step beside decoding requests, from the step costs the "
                                  "package measured at export (default: [scheduler] max_step_ms, otherwise twice "
                                  "a full decode batch's step)")
-    scheduling.add_argument("--profile-startup", type=Path, metavar="DIR",
-                            help="write a cProfile of the engine core's start (loading, compiling, capturing) "
-                                 "into DIR, a diagnostic for slow starts (default: off)")
-    scheduling.add_argument("--profile-steps", type=Path, metavar="DIR",
-                            help="record a window of serving steps into DIR: a trace of host operators and "
-                                 "GPU kernels (Chrome trace, with each step's device busy time and longest "
-                                 "gap), then a cProfile of the next as many steps; recorded steps run slower "
-                                 "(default: off)")
-    scheduling.add_argument("--profile-steps-window", metavar="FIRST,COUNT",
-                            help="with --profile-steps: the first serving step recorded and how many "
-                                 "(default: 200,20)")
+    add_profiling_arguments(scheduling)
     download = parser.add_argument_group("repository download (for ORG/NAME[@REVISION])")
     from flare.cli.commands.download import add_download_arguments
 
@@ -71,6 +61,21 @@ def configure(parser):
     trust.add_argument("--model-cache", type=Path, metavar="PATH",
                        help="Flare prepared-model cache (default: paths.package_cache, otherwise "
                             "~/.cache/flare/packages)")
+
+
+def add_profiling_arguments(group) -> None:
+    """The engine core's diagnostics: --profile-startup, --profile-steps and its window."""
+    group.add_argument("--profile-startup", type=Path, metavar="DIR",
+                       help="write a cProfile of the engine core's start (loading, compiling, capturing) "
+                            "into DIR, a diagnostic for slow starts (default: off)")
+    group.add_argument("--profile-steps", type=Path, metavar="DIR",
+                       help="record a window of serving steps into DIR: a trace of host operators and "
+                            "GPU kernels (Chrome trace, with each step's device busy time and longest "
+                            "gap), then a cProfile of the next as many steps; recorded steps run slower "
+                            "(default: off)")
+    group.add_argument("--profile-steps-window", metavar="FIRST,COUNT",
+                       help="with --profile-steps: the first serving step recorded and how many "
+                            "(default: 200,20)")
 
 
 def run(args) -> int:
