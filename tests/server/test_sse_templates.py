@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -62,3 +63,30 @@ def test_anthropic_text_and_thinking_deltas(text):
             expected = sse.named_event({"type": "content_block_delta", "index": index,
                                         "delta": {"type": kind, field: text}})
             assert delta_event(index, kind, field, text) == expected
+
+
+LINE_BREAK_TEXTS = ["name\u2028x", "a\u2029b", "next\x85line", "\u2028\u2029\x85 and \u2028 again"]
+
+
+def read_as_httpx_does(stream: str) -> list[dict]:
+    """The events' JSON as a client built on httpx's `aiter_lines` gets it (its lines are str.splitlines')."""
+    from httpx._decoders import LineDecoder
+    lines = LineDecoder().decode(stream) + LineDecoder().flush()
+    return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("text", LINE_BREAK_TEXTS)
+def test_text_with_unicode_line_breaks_stays_one_line_per_event(text):
+    """A reply that holds U+2028, U+2029 or U+0085 (a random-weight model's JSON string did) must not
+    split an event for readers that end lines where Unicode does: each event is still one line and
+    decodes to the text as generated."""
+    chunks = StreamChunks("cmpl-1", "text_completion", body(True))
+    stream = (chunks.text(0, text) + chunks.content(1, text) + delta_event(0, "text_delta", "text", text)
+              + sse.data_event({"choices": [{"text": text}]}) + sse.named_event({"type": "x", "text": text}))
+    events = read_as_httpx_does(stream)
+    assert events[0]["choices"][0]["text"] == text
+    assert events[1]["choices"][0]["delta"]["content"] == text
+    assert events[2]["delta"]["text"] == text
+    assert events[3]["choices"][0]["text"] == text
+    assert events[4]["text"] == text
+    assert len(events) == 5

@@ -12,15 +12,28 @@ MEDIA_TYPE = "text/event-stream"
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
+# JSON leaves U+0085, U+2028 and U+2029 unescaped, but clients that read a stream with Python's
+# str.splitlines (httpx's `aiter_lines`, and the SSE readers built on it) end a line there and then fail
+# on half an event. Escaped, the event is one line for every reader and decodes to the same text.
+_LINE_BREAKS = ("\x85", "\u2028", "\u2029")
+_ESCAPED_LINE_BREAKS = str.maketrans({char: f"\\u{ord(char):04x}" for char in _LINE_BREAKS})
+
+
+def _one_line(encoded: str) -> str:
+    if any(char in encoded for char in _LINE_BREAKS):
+        return encoded.translate(_ESCAPED_LINE_BREAKS)
+    return encoded
+
 
 def dumps(payload: Any) -> str:
-    """Compact JSON with text as it is (no \\u escapes for non-ASCII): the events' one encoding."""
-    return _ENCODER.encode(payload)
+    """Compact JSON with text as it is (no \\u escapes for non-ASCII but the three characters Unicode
+    counts as line breaks): the events' one encoding."""
+    return _one_line(_ENCODER.encode(payload))
 
 
 def json_string(text: str) -> str:
     """`text` as `dumps` writes a string (the encoder's own function): for events built from templates."""
-    return encode_basestring(text)
+    return _one_line(encode_basestring(text))
 
 
 def data_event(payload: Any) -> str:
