@@ -4,15 +4,16 @@
 For each projection of llama-8b and qwen3-8b (the LM head stays bf16), F.linear on bf16 weights against
 `torch.ops.flare.fp8_linear` on e4m3 weights with 128x128 block scales (Qwen/DeepSeek, online FP8) and
 with per-row scales (compressed-tensors), at the rows each route serves (flare.kernels.routing): the GEMV
-(rows 1, 8), the skinny split-K GEMM (32, 64, 128), dequantize + cuBLAS (256, 2048). Beside the routed
-operator, from 32 rows: the Triton GEMM with its default tiles ("gemm"), the fused dequantize kernel into
-the shared buffer followed by cuBLAS ("deq+cuBLAS"), and at 256+ rows the W8A8 candidate torch._scaled_mm
-(activations quantized per token / per 1x128 group, the quantization timed with it). At the skinny rows
-a few GEMM configs around the default (flare.kernels.fp8_gemm.candidates) are swept and the best printed;
-`--gemv-sweep` adds the GEMV tile sweep at rows <= 16. Every kernel is checked against the float32
-reference of the dequantized weights before it is timed (bf16 tolerance; W8A8 is reported against the
-same reference, its own error shown). The summary suggests DEQUANTIZE_MIN_ROWS: the fewest rows from
-which deq+cuBLAS beats the Triton GEMM summed over the projections.
+(rows 1, 8, 16), W8A8 torch._scaled_mm from W8A8_MIN_ROWS (32 ... 2048). Beside the routed operator, at
+every row count the W8A8 product (activations quantized per token / per 1x128 group by our Triton pass,
+timed with it), and past the GEMV's rows the weight-only routes: the Triton GEMM with its default tiles
+("gemm") and the fused dequantize kernel into the shared buffer followed by cuBLAS ("deq+cuBLAS"). At
+the skinny rows a few GEMM configs around the default (flare.kernels.fp8_gemm.candidates) are swept and
+the best printed; `--gemv-sweep` adds the GEMV tile sweep at rows <= 16. Every kernel is checked against
+the float32 reference of the dequantized weights before it is timed (bf16 tolerance; W8A8 against the
+same reference with a looser bound, its own error shown). The summary suggests DEQUANTIZE_MIN_ROWS (the
+fewest rows from which deq+cuBLAS beats the Triton GEMM summed over the projections) and W8A8_MIN_ROWS
+(the fewest from which W8A8 beats the fastest weight-only route).
 
 Timing as benchmarks/gemv_bench.py: 20 calls in one CUDA graph over weight copies exceeding L2 several
 times, median of 7 replays. Prints tables and the projected weight-product time of a decode step at one
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_bench import MODELS, copy_bandwidth_tbps, graph_time_us  # noqa: E402
 
-DECODE_ROWS = (1, 8)
+DECODE_ROWS = (1, 8, 16)
 SKINNY_ROWS = (32, 64, 128)            # the GEMM config sweep's rows
 PROMPT_ROWS = (256, 2048)
 LAYOUTS = {"block128": (128, 128), "per-row": (1, 0)}
@@ -91,9 +92,10 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int, gemv_sweep: bool) -> d
 
     from flare.kernels import fp8_linear  # noqa: F401  (registers torch.ops.flare.fp8_linear)
     from flare.kernels.fp8_dequantize import dequantize_linear
-    from flare.kernels.fp8_gemm import candidates, fp8_gemm, scaled_mm_linear
+    from flare.kernels.fp8_gemm import candidates, fp8_gemm
     from flare.kernels.fp8_gemv import Fp8GemvConfig, choose_split_k, fp8_gemv
     from flare.kernels.fp8_reference import dequantize
+    from flare.kernels.fp8_w8a8 import w8a8_linear
     from flare.kernels.routing import DEQUANTIZE_MIN_ROWS, MAX_ROWS, fp8_route
 
     gen = torch.Generator(device="cuda").manual_seed(n * 31 + k + rows)
@@ -118,19 +120,16 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int, gemv_sweep: bool) -> d
                                                num_warps=warps, num_stages=stages)
                         candidates_[f"gemv {asdict(config)}"] = (
                             lambda i, c=config: fp8_gemv(x, *weights[i], row_block, col_block, None, c), copies, None)
-        if rows > MAX_ROWS:
-            if rows >= DEQUANTIZE_MIN_ROWS:      # below, the routed operator is this GEMM
-                candidates_["gemm"] = (lambda i: fp8_gemm(x, *weights[i], row_block, col_block), copies, None)
-            else:
-                candidates_["deq+cuBLAS"] = (
-                    lambda i: dequantize_linear(x, *weights[i], row_block, col_block), copies, None)
+        if rows > MAX_ROWS:                       # the weight-only routes, whichever the operator took
+            candidates_["gemm"] = (lambda i: fp8_gemm(x, *weights[i], row_block, col_block), copies, None)
+            candidates_["deq+cuBLAS"] = (
+                lambda i: dequantize_linear(x, *weights[i], row_block, col_block), copies, None)
         if rows in SKINNY_ROWS:
             for config in candidates(rows, n, k)[1:]:                   # the first is the default
                 candidates_[f"gemm {config_name(config)}"] = (
                     lambda i, c=config: fp8_gemm(x, *weights[i], row_block, col_block, None, c), copies, None)
-        if rows in PROMPT_ROWS:
-            candidates_["_scaled_mm W8A8"] = (
-                lambda i: scaled_mm_linear(x, *weights[i], row_block, col_block), copies, W8A8_TOLERANCE)
+        candidates_["_scaled_mm W8A8"] = (
+            lambda i: w8a8_linear(x, *weights[i], row_block, col_block), copies, W8A8_TOLERANCE)
         record["layouts"][layout] = timed(candidates_, reference, calls_of, TOLERANCE)
         del weights
         torch.cuda.empty_cache()
@@ -142,11 +141,12 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int, gemv_sweep: bool) -> d
 def summarize(record: dict) -> dict:
     """Per layout: the routed operator, and each route timed on its own (None where not run)."""
     out = {}
-    routed_is = {"gemv": "gemv", "gemm": "gemm", "dequantize": "deq+cuBLAS"}[record["route"]]
+    routed_is = {"gemv": "gemv", "gemm": "gemm", "dequantize": "deq+cuBLAS", "w8a8": "_scaled_mm W8A8"}[record["route"]]
     for layout, results in record["layouts"].items():
         ok = {name: r["us"] for name, r in results.items() if "us" in r}
         default = ok.get("flare fp8_linear")
-        routes = {"gemm": ok.get("gemm"), "deq+cuBLAS": ok.get("deq+cuBLAS"), routed_is: default}
+        routes = {"gemm": ok.get("gemm"), "deq+cuBLAS": ok.get("deq+cuBLAS")}
+        routes[routed_is] = routes.get(routed_is) or default
         gemv = {name: us for name, us in ok.items() if name.startswith("gemv")}
         sweep = {name: us for name, us in ok.items() if name.startswith("gemm ")}
         if record.get("default_config") and default:
@@ -194,6 +194,27 @@ def suggest_threshold(records: list) -> dict:
     crossing = wins.index(True) if True in wins else None
     single = crossing is not None and all(wins[crossing:])          # faster from there on, at every rows run
     return {"by_rows": totals, "dequantize_min_rows": sorted(totals)[crossing] if single else None}
+
+
+def suggest_w8a8_rows(records: list) -> dict:
+    """Per rows: W8A8's time and the fastest weight-only route's (the GEMV up to MAX_ROWS, else the
+    better of the GEMM and deq+cuBLAS) summed over every projection and layout where both ran, and the
+    fewest rows from which W8A8 is faster at every row count run (W8A8_MIN_ROWS)."""
+    from flare.kernels.routing import MAX_ROWS
+
+    totals = {}
+    for r in records:
+        for s in r["summary"].values():
+            weight_only = (s["default_us"] if r["rows"] <= MAX_ROWS
+                           else min(v for v in (s["gemm_us"], s["dequant_cublas_us"], 1e30) if v))
+            if s["scaled_mm_w8a8_us"] and weight_only < 1e30:
+                entry = totals.setdefault(r["rows"], {"w8a8_us": 0.0, "weight_only_us": 0.0})
+                entry["w8a8_us"] += s["scaled_mm_w8a8_us"]
+                entry["weight_only_us"] += weight_only
+    wins = [t["w8a8_us"] < t["weight_only_us"] for _, t in sorted(totals.items())]
+    crossing = wins.index(True) if True in wins else None
+    single = crossing is not None and all(wins[crossing:])
+    return {"by_rows": totals, "w8a8_min_rows": sorted(totals)[crossing] if single else None}
 
 
 def projected_step(records: list, lm_head: dict) -> dict:
@@ -262,6 +283,12 @@ def main(argv=None) -> int:
     from flare.kernels.routing import DEQUANTIZE_MIN_ROWS
     print(f"suggested DEQUANTIZE_MIN_ROWS: {threshold['dequantize_min_rows']} (now {DEQUANTIZE_MIN_ROWS}; "
           "None: no single crossing among the rows run)")
+    w8a8 = suggest_w8a8_rows(records)
+    from flare.kernels.routing import W8A8_MIN_ROWS
+    print("all projections and layouts, W8A8 vs fastest weight-only us: "
+          + ", ".join(f"rows {rows} {t['w8a8_us']:.0f} vs {t['weight_only_us']:.0f}"
+                      for rows, t in sorted(w8a8["by_rows"].items())))
+    print(f"suggested W8A8_MIN_ROWS: {w8a8['w8a8_min_rows']} (now {W8A8_MIN_ROWS})")
     print(f"\nfinished in {time.time() - began:.0f}s")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +297,7 @@ def main(argv=None) -> int:
             "cuda": torch.version.cuda, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "copy_tbps": copy_tbps,
             "results": records, "lm_head_bf16_us": lm_head, "projected_decode_step": totals,
-            "dequantize_threshold": threshold}, indent=1))
+            "dequantize_threshold": threshold, "w8a8_threshold": w8a8}, indent=1))
     return 0
 
 

@@ -117,8 +117,10 @@ def test_skinny_configs_fill_the_gpu(rows, n, k):
 
 
 def test_routing_picks_the_kernel_by_rows(kernel_device, monkeypatch):
-    """torch.ops.flare.fp8_linear: the GEMV up to MAX_ROWS, the skinny GEMM below DEQUANTIZE_MIN_ROWS,
-    dequantize + cuBLAS from there; each route gives the reference product."""
+    """torch.ops.flare.fp8_linear's weight-only routes: the GEMV up to MAX_ROWS, the skinny GEMM below
+    DEQUANTIZE_MIN_ROWS, dequantize + cuBLAS from there (float32 here, which W8A8 does not take: on a GPU
+    bf16 activations from W8A8_MIN_ROWS go to _scaled_mm, tests/kernels/test_fp8_w8a8.py); each route
+    gives the reference product."""
     calls = []
     for name in ("fp8_gemv", "fp8_gemm", "dequantize_linear"):
         kernel = getattr(fp8_linear_module, name)

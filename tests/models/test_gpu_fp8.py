@@ -1,5 +1,5 @@
-"""On a CUDA GPU in bfloat16: FP8 projections run the Triton kernels (GEMV for decode, the skinny GEMM for short
-prompts, dequantize + cuBLAS from DEQUANTIZE_MIN_ROWS) and an FP8 KV cache the Triton attention kernels; the model stays as close to the float32 reference of the
+"""On a CUDA GPU in bfloat16: FP8 projections run the FP8 kernels (GEMV for decode, the skinny GEMM for short
+prompts, W8A8 _scaled_mm from W8A8_MIN_ROWS) and an FP8 KV cache the Triton attention kernels; the model stays as close to the float32 reference of the
 same FP8 weights and cache as the torch reference computing the same in bfloat16 does.
 
 The yardstick is that bfloat16 reference, not the dense bf16 model's error: an FP8 cache rounds bf16 keys
@@ -14,13 +14,16 @@ import torch
 
 from flare.engine.attention import AttentionMetadata, TorchReferenceBackend, allocate_kv_caches
 from flare.engine.attention_triton import TritonBackend
-from flare.kernels.routing import DEQUANTIZE_MIN_ROWS
+from flare.kernels.fp8_reference import fp8_linear_reference, w8a8_linear_reference
+from flare.kernels.fp8_w8a8 import w8a8_supported
+from flare.kernels.routing import W8A8_MIN_ROWS
+from flare.models import fp8 as fp8_model
 from flare.models import load_checkpoint
 from flare.models.quantization import DECODER_PROJECTIONS
 from tiny_checkpoints import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-TOKENS = torch.randint(3, 512, (DEQUANTIZE_MIN_ROWS + 40,), generator=torch.Generator().manual_seed(9)).tolist()
+TOKENS = torch.randint(3, 512, (W8A8_MIN_ROWS + 40,), generator=torch.Generator().manual_seed(9)).tolist()
 SHAPE = {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 8, "num_key_value_heads": 4,
          "head_dim": 32}
 
@@ -41,10 +44,22 @@ def logits(directory, dtype, device, backend, prompt=24, **precision) -> torch.T
     return torch.cat(rows)
 
 
-# 24 prompt rows run the skinny GEMM, DEQUANTIZE_MIN_ROWS + 24 the dequantize + cuBLAS route.
-@pytest.mark.parametrize("prompt", [24, DEQUANTIZE_MIN_ROWS + 24])
+def w8a8_where_the_gpu_runs_it(x, weight, scale, row_block, col_block, bias=None):
+    """The CPU reference of the function the GPU computes: from W8A8_MIN_ROWS rows the activations are
+    rounded to e4m3 too (flare.kernels.fp8_w8a8), where the layout allows it."""
+    n, k = weight.shape
+    rows = x.numel() // k
+    if rows >= W8A8_MIN_ROWS and w8a8_supported(n, k, row_block, col_block, torch.bfloat16, 0):
+        return w8a8_linear_reference(x, weight, scale, row_block, col_block, bias)
+    return fp8_linear_reference(x, weight, scale, row_block, col_block, bias)
+
+
+# 24 prompt rows run the skinny GEMM; W8A8_MIN_ROWS + 24 the W8A8 route (activations in e4m3 as well, which
+# the references then compute too).
+@pytest.mark.parametrize("prompt", [24, W8A8_MIN_ROWS + 24])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_fp8_kernels_in_the_model_match_the_float32_reference(tmp_path, kv_cache_dtype, prompt):
+def test_fp8_kernels_in_the_model_match_the_float32_reference(tmp_path, kv_cache_dtype, prompt, monkeypatch):
+    monkeypatch.setattr(fp8_model, "fp8_linear_reference", w8a8_where_the_gpu_runs_it)
     directory = write_tiny_checkpoint("qwen3", tmp_path, **SHAPE)
     run = {"online_fp8": DECODER_PROJECTIONS, "kv_cache_dtype": kv_cache_dtype, "prompt": prompt}
     exact = logits(directory, torch.float32, "cpu", TorchReferenceBackend(), **run)

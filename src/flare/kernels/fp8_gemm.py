@@ -17,10 +17,6 @@ a workspace and flare.kernels.gemv's reduction kernel sums the splits in a fixed
 so a token's result never depends on which program finished first. `candidates` lists the configs
 benchmarks/fp8_bench.py sweeps to revise the table.
 
-`scaled_mm_linear` is another candidate, measured by benchmarks/fp8_bench.py and not served:
-torch._scaled_mm on e4m3 activations quantized per token (per 1x128 group for block weights), i.e.
-W8A8, twice the tensor-core rate but a different accuracy from the weight-only path.
-
 Shapes:
     x       [M, K]  last dim contiguous; bf16/fp16 (fp32 in tests)
     weight  [N, K]  float8_e4m3fn, last dim contiguous
@@ -40,7 +36,6 @@ import triton
 import triton.language as tl
 
 from flare.kernels.fp8_gemv import check_fp8_weight
-from flare.kernels.fp8_reference import E4M3_MAX
 from flare.kernels.gemv import _REDUCE_BLOCK, _split_reduce_kernel
 from flare.kernels.routing import DEQUANTIZE_MIN_ROWS
 
@@ -200,44 +195,3 @@ def _launch(x, weight, scale, row_block: int, col_block: int, bias, out, config:
             partial.stride(0), partial.stride(1), out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK, num_warps=4,
         )
-
-
-# -- the W8A8 candidate (benchmarks only) ------------------------------------------------------------------
-
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as e4m3 with float32 scales [M, K // group] (group 0: one per row), each amax / 448."""
-    m, k = x.shape
-    groups = x.float().reshape(m, -1, group) if group else x.float().reshape(m, 1, k)
-    amax = groups.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    quantized = (groups / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, k)
-    return quantized, scale.squeeze(-1)
-
-
-def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_block: int, col_block: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8 through torch._scaled_mm (SM89+; block scales need SM90 and CUDA >= 12.9): per-row weight
-    scales with per-token activation scales ("row-wise"), or 128x128 weight blocks with 1x128 activation
-    groups ("block-wise", N and K multiples of 128). Raises where this torch build does not support it."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if col_block == 0:
-        x8, x_scale = quantize_activations(x, 0)
-        w_scale = scale.repeat_interleave(row_block, 0)[:n].reshape(1, n)
-        return torch._scaled_mm(x8, weight.t(), scale_a=x_scale.reshape(m, 1), scale_b=w_scale,
-                                bias=bias, out_dtype=x.dtype)
-    if (row_block, col_block) != (128, 128) or n % 128 or k % 128:
-        raise ValueError(f"block-wise _scaled_mm needs 128x128 weight blocks and N, K multiples of 128; got "
-                         f"{row_block}x{col_block} blocks, N {n}, K {k}")
-    x8, x_scale = quantize_activations(x, 128)
-    x_scale = x_scale.t().contiguous().t()                         # outer-dim-major, as cuBLAS requires
-    from torch.nn.functional import ScalingType, scaled_mm
-    out = scaled_mm(x8, weight.t(), x_scale, ScalingType.BlockWise1x128, _padded_block_scales(scale).t(),
-                    ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    return out if bias is None else out + bias
-
-
-def _padded_block_scales(scale: torch.Tensor) -> torch.Tensor:
-    """cuBLAS wants 128x128 scales [N/128, L4] with K/128 padded up to a multiple of 4 (L4)."""
-    pad = -scale.shape[1] % 4
-    return torch.nn.functional.pad(scale, (0, pad)) if pad else scale

@@ -52,3 +52,25 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     quantized = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return quantized.view(padded.shape)[:rows, :columns].contiguous(), scale
+
+
+def quantize_activations_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as e4m3 and float32 scales [M, K // group] (group 0: [M, 1], one per row): each group's
+    absolute maximum / 448 (an all-zero group: 1). What flare.kernels.fp8_w8a8 computes on the GPU."""
+    m, k = x.shape
+    groups = x.float().reshape(m, -1, group) if group else x.float().reshape(m, 1, k)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    quantized = (groups / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, k)
+    return quantized, scale.squeeze(-1)
+
+
+def w8a8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_block: int,
+                          col_block: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 product in float32: x rounded to e4m3 per 128 columns (block weights) or per row (per-row
+    weights) as `quantize_activations_reference` does, times the dequantized weight (+ bias)."""
+    group = col_block and 128
+    quantized, x_scale = quantize_activations_reference(x.reshape(-1, x.shape[-1]), group)
+    spread = x_scale.repeat_interleave(group, dim=1) if group else x_scale
+    x_back = (quantized.float() * spread).reshape(x.shape)
+    return fp8_linear_reference(x_back, weight, scale, row_block, col_block, bias).to(x.dtype)

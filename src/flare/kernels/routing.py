@@ -7,9 +7,10 @@ cuBLAS on the H200 (docs/performance.md), so no switch routes them to it.
 FP8 projections (flare.models.fp8) have no cuBLAS product to fall back on: on CUDA they always run our
 FP8 kernels (flare.kernels.fp8_linear); elsewhere the torch reference, unless `enable_fp8` routes
 another device's products through Triton's interpreter (tests). Which FP8 kernel runs depends on the
-step's rows (`fp8_route`): decode batches of at most MAX_ROWS take the GEMV; up to DEQUANTIZE_MIN_ROWS
-the skinny split-K GEMM, memory bound, where reading one byte per weight beats bf16's two; from
-DEQUANTIZE_MIN_ROWS the step is compute bound and the weight is dequantized to bf16 once, for cuBLAS.
+step's rows (`fp8_route`): decode batches of at most MAX_ROWS take the GEMV (weight-only); from
+W8A8_MIN_ROWS the activations are quantized to e4m3 as well, for torch._scaled_mm, where the device and
+layout allow. Elsewhere the weight-only routes: up to DEQUANTIZE_MIN_ROWS the skinny split-K GEMM, from
+there the weight dequantized to bf16 once, for cuBLAS.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ MAX_ROWS = 16                  # the GEMV kernels' limit: decode batches of up t
 # at every row count measured, 32 included (all llama-8b/qwen3-8b projections summed: 1,162 vs 1,823 us at
 # 32 rows, 1,174 vs 4,527 at 64), so the skinny GEMM serves only 17..31 rows, which were not measured.
 DEQUANTIZE_MIN_ROWS = 32
+# From this many rows an FP8 product quantizes its activations to e4m3 too and runs torch._scaled_mm
+# (W8A8, flare.kernels.fp8_w8a8) where the device supports the layout: one byte read per weight at the
+# FP8 tensor-core rate, where the weight-only routes convert or dequantize every weight. Below it the
+# weight-only routes run, so decode batches keep unquantized activations. benchmarks/fp8_bench.py times
+# W8A8 against the weight-only route at every row count it runs.
+W8A8_MIN_ROWS = 32
 
-FP8_GEMV, FP8_GEMM, FP8_DEQUANTIZE = "gemv", "gemm", "dequantize"
+FP8_GEMV, FP8_GEMM, FP8_DEQUANTIZE, FP8_W8A8 = "gemv", "gemm", "dequantize", "w8a8"
 
 _fp8_routed_devices: frozenset[str] = frozenset({"cuda"})
 
@@ -47,8 +54,10 @@ def routes_fp8_to_kernels(x: torch.Tensor) -> bool:
 
 
 def fp8_route(rows: int) -> str:
-    """The FP8 kernel for a product of `rows` rows: FP8_GEMV, FP8_GEMM (skinny, split-K) or FP8_DEQUANTIZE
-    (dequantize, then cuBLAS)."""
+    """The FP8 kernel for a product of `rows` rows: FP8_GEMV, FP8_W8A8 (where supported; else the
+    weight-only route of those rows), FP8_GEMM (skinny, split-K) or FP8_DEQUANTIZE (dequantize, then cuBLAS)."""
     if rows <= MAX_ROWS:
         return FP8_GEMV
+    if rows >= W8A8_MIN_ROWS:
+        return FP8_W8A8
     return FP8_GEMM if rows < DEQUANTIZE_MIN_ROWS else FP8_DEQUANTIZE

@@ -3,9 +3,11 @@
 `Fp8Linear` keeps the weight as float8 e4m3 [N, K] and its scales as one float32 grid whatever the
 checkpoint's layout (`ScaleLayout`): a 128x128 block's scale, an output channel's, or a projection's
 (spread over its rows, so fused q/k/v with three per-tensor scales are one matrix). On CUDA the product
-runs flare.kernels.fp8_linear: dequantized in registers up to DEQUANTIZE_MIN_ROWS rows, and from there
-into the device's one shared bf16 buffer for cuBLAS (flare.kernels.fp8_scratch, which each layer reserves
-its size in). Elsewhere it runs in torch (flare.kernels.fp8_reference, which the kernels are tested against).
+runs flare.kernels.fp8_linear: weight-only (dequantized in registers) for decode batches, and from
+W8A8_MIN_ROWS rows with the activations quantized to e4m3 as well, for torch._scaled_mm (layouts it
+cannot take dequantize into the device's one shared bf16 buffer for cuBLAS: flare.kernels.fp8_scratch,
+which each layer reserves its size in). Elsewhere it runs in torch (flare.kernels.fp8_reference, which
+the kernels are tested against; weight-only at every row count).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class Fp8Linear(nn.Module):
 
     Parameters: `weight` (e4m3 [N, K]), `weight_scale` (float32 grid, loaded from the checkpoint's
     `fp8.scale_suffix` tensors), `bias` in the serving dtype. Checkpoint `input_scale` tensors (static
-    activation scales) are accepted and not used: activations stay in the serving dtype.
+    activation scales) are accepted and not used: where activations are quantized (the W8A8 route) their
+    scales are computed per token from the values themselves.
     """
 
     unused_tensors = ("input_scale",)
