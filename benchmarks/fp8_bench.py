@@ -111,7 +111,9 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int, gemv_sweep: bool) -> d
         weights = fp8_weights(n, k, row_block, col_block, copies, gen)
         reference = x.float() @ dequantize(*weights[0], row_block, col_block).T
         op = torch.ops.flare.fp8_linear
-        candidates_ = {"flare fp8_linear": (lambda i: op(x, *weights[i], None, row_block, col_block), copies, None)}
+        routed_limit = W8A8_TOLERANCE if record["route"] == "w8a8" else None
+        candidates_ = {"flare fp8_linear": (lambda i: op(x, *weights[i], None, row_block, col_block), copies,
+                                            routed_limit)}
         if rows <= MAX_ROWS and gemv_sweep:
             for bn, bk, warps, stages in GEMV_TILES:
                 for split in sorted({1, choose_split_k(n, k, bn)}):

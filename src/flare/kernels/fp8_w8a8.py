@@ -34,9 +34,19 @@ import triton.language as tl
 from flare.kernels.fp8_gemv import check_fp8_weight
 from flare.kernels.fp8_reference import E4M3_MAX
 
+try:                                      # torch's block-wise scaled_mm (2.9+); row-wise needs only _scaled_mm
+    from torch.nn.functional import ScalingType, scaled_mm
+except ImportError:
+    ScalingType = scaled_mm = None
+
 GROUP = 128                    # activation columns per scale with 128x128 weight blocks
 GROUPS_PER_PROGRAM = 8         # a program quantizes 8 groups (1,024 values) of one row
 ROW_CHUNK = 1024               # per-row scales: values per step of the two passes over a row
+# cuBLAS's block-wise mode refused 1 and 33 rows and took 8, 16 and 32 (CUBLAS_STATUS_NOT_SUPPORTED, H200,
+# CUDA 13, 2026-12-03). Our reading, not confirmed in cuBLAS's documentation: the activation scales'
+# leading dimension (the rows, column-major) must span a multiple of 16 bytes. So the quantized
+# activations are padded to a multiple of 4 rows and the output cut back.
+BLOCKWISE_ROWS = 4
 
 
 @triton.jit
@@ -52,13 +62,13 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
                             GROUP: tl.constexpr, GROUPS: tl.constexpr, E4M3_MAX: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)                          # rows from M on: padding, zero
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < K                                              # K is a multiple of GROUP
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < tl.where(row < M, K, 0), other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
     q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -E4M3_MAX, E4M3_MAX))
@@ -85,14 +95,18 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     tl.store(s_ptr + row, scale)
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (last dim contiguous) as e4m3 [M, K] and float32 scales: [M, K // group] in column-major
-    order (what cuBLAS's block-wise mode reads) for `group` GROUP, [M, 1] for group 0 (one per row)."""
+def quantize_activations(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) as e4m3 and float32 scales: [M, K // group] in column-major order
+    (what cuBLAS's block-wise mode reads) for `group` GROUP, [M, 1] for group 0 (one per row). `rows`
+    (> M, groups only) pads both to that many rows: zeros with scale 1."""
     m, k = x.shape
+    padded = rows or m
     if x.stride(-1) != 1:
         raise ValueError("quantize_activations: x's last dimension must be contiguous")
-    quantized = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    quantized = torch.empty((padded, k), dtype=torch.float8_e4m3fn, device=x.device)
     if group == 0:
+        if padded != m:
+            raise ValueError("quantize_activations: padding is for groups of 128 columns only")
         scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
             _quantize_rows_kernel[(m,)](x, quantized, scale, k, x.stride(0), quantized.stride(0),
@@ -101,10 +115,10 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     if group != GROUP or k % GROUP:
         raise ValueError(f"quantize_activations: groups of {group} over K {k}; only groups of {GROUP} "
                          f"columns with K a multiple of {GROUP} are supported")
-    scale = torch.empty((k // GROUP, m), dtype=torch.float32, device=x.device).t()
-    if m:
-        grid = (m, triton.cdiv(k // GROUP, GROUPS_PER_PROGRAM))
-        _quantize_groups_kernel[grid](x, quantized, scale, k, x.stride(0), quantized.stride(0), scale.stride(0),
+    scale = torch.empty((k // GROUP, padded), dtype=torch.float32, device=x.device).t()
+    if padded:
+        grid = (padded, triton.cdiv(k // GROUP, GROUPS_PER_PROGRAM))
+        _quantize_groups_kernel[grid](x, quantized, scale, m, k, x.stride(0), quantized.stride(0), scale.stride(0),
                                       scale.stride(1), GROUP=GROUP, GROUPS=GROUPS_PER_PROGRAM, E4M3_MAX=E4M3_MAX)
     return quantized, scale
 
@@ -122,7 +136,7 @@ def w8a8_supported(n: int, k: int, row_block: int, col_block: int, dtype: torch.
     if (row_block, col_block) != (GROUP, GROUP) or n % GROUP or k % GROUP or capability < (9, 0):
         return False
     cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
-    return cuda >= (12, 9) and hasattr(torch.nn.functional, "scaled_mm")
+    return cuda >= (12, 9) and scaled_mm is not None
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_block: int, col_block: int,
@@ -141,11 +155,10 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_
         out = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, n), bias=bias,
                                out_dtype=x.dtype)
     else:
-        from torch.nn.functional import ScalingType, scaled_mm
-
-        x8, x_scale = quantize_activations(x2, GROUP)
+        rows = x2.shape[0]
+        x8, x_scale = quantize_activations(x2, GROUP, -(-rows // BLOCKWISE_ROWS) * BLOCKWISE_ROWS)
         out = scaled_mm(x8, weight.t(), x_scale, ScalingType.BlockWise1x128, _padded_block_scales(scale).t(),
-                        ScalingType.BlockWise128x128, output_dtype=x.dtype)
+                        ScalingType.BlockWise128x128, output_dtype=x.dtype)[:rows]
         out = out if bias is None else out + bias
     return out.reshape(*x.shape[:-1], n)
 
