@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_bench import MODELS, copy_bandwidth_tbps, graph_time_us  # noqa: E402
 
 DECODE_ROWS = (1, 8, 16)
+W8A8_ROWS = (17, 24)                # past the GEMV: the W8A8 route from its first row count
 SKINNY_ROWS = (32, 64, 128)            # the GEMM config sweep's rows
 PROMPT_ROWS = (256, 2048)
 LAYOUTS = {"block128": (128, 128), "per-row": (1, 0)}
@@ -237,7 +238,7 @@ def projected_step(records: list, lm_head: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--rows", nargs="+", type=int, default=list(DECODE_ROWS + SKINNY_ROWS + PROMPT_ROWS))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(DECODE_ROWS + W8A8_ROWS + SKINNY_ROWS + PROMPT_ROWS))
     parser.add_argument("--gemv-sweep", action="store_true", help="also sweep GEMV tiles at rows <= 16 (+~70 s)")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)

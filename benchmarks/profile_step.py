@@ -97,6 +97,8 @@ def main(argv=None) -> int:
                         help="capture and check the prompt graphs; prompt-carrying steps replay them when they pass")
     parser.add_argument("--shrink", action="store_true", help="a small model of the shape's layout (script check)")
     parser.add_argument("--traces", type=Path, default=None, help="folder for gzipped Chrome traces")
+    parser.add_argument("--fp8", action="store_true",
+                        help="FP8 weights and KV cache, as `ignition export --online-mxfp8 --kv-cache-dtype fp8`")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     unknown = [case for case in args.cases.split(",") if case not in CASES and not decode_batch(case)]
@@ -110,6 +112,7 @@ def main(argv=None) -> int:
     from flare.engine.factory import attention_backend
     from flare.engine.runner import ModelRunner
     from flare.models import ModelConfig, build_model
+    from flare.models.quantization import DECODER_PROJECTIONS
 
     shape = dict(SHAPES[args.shape])
     if args.layers:
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
     if args.shrink:                                 # a small model of the same layout, to check the script
         shape.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=64, vocab_size=1024)
-    cfg = ModelConfig.from_hf_config(shape)
+    precision = {"online_fp8": DECODER_PROJECTIONS, "kv_cache_dtype": "fp8"} if args.fp8 else {}
+    cfg = ModelConfig.from_hf_config(shape, **precision)
     device = "cuda" if torch.cuda.is_available() else "cpu"      # the CPU runs only check the script
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(cfg, dtype, device, attention_backend(device, cfg.head_dim))
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
     prompt_graphs = with_prompt_graphs(runner) if args.prompt_graphs else None
     print(f"{args.shape} ({cfg.num_hidden_layers} layers): compile + capture {time.perf_counter() - started:.1f} s",
           flush=True)
-    result = {"benchmark": "step profile", "shape": args.shape, "layers": cfg.num_hidden_layers,
+    result = {"benchmark": "step profile", "shape": args.shape, "layers": cfg.num_hidden_layers, "fp8": args.fp8,
               "compiled": not args.no_compile, "prompt_graphs": prompt_graphs, "device": device_identity(),
               "command": " ".join(sys.argv), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "cases": {}}

@@ -19,12 +19,17 @@ SHAPES = {
 
 
 def randomize_(model, std: float = 0.02) -> None:
-    """Random weights in place: norms at one, everything else normal(0, std)."""
+    """Random weights in place: norms at one, everything else normal(0, std). FP8 projections get e4m3
+    values normal(0, 64) (clamped to 448) with every scale std / 64: the same weights in distribution."""
     import torch
 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif param.dtype == torch.float8_e4m3fn:
+                param.copy_((torch.randn(param.shape, device=param.device) * 64).clamp(-448, 448))
+            elif name.endswith("weight_scale"):
+                param.fill_(std / 64)
             else:
                 param.normal_(0.0, std)
