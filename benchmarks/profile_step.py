@@ -136,7 +136,7 @@ def main(argv=None) -> int:
 
         compile_model(model)
     runner = ModelRunner(model, cfg, config, device, dtype, seed=0, graphs=device == "cuda")
-    prompt_graphs = with_prompt_graphs(runner) if args.prompt_graphs else None
+    prompt_graphs = with_prompt_graphs(runner, cfg.fp8 is not None) if args.prompt_graphs else None
     print(f"{args.shape} ({cfg.num_hidden_layers} layers): compile + capture {time.perf_counter() - started:.1f} s",
           flush=True)
     result = {"benchmark": "step profile", "shape": args.shape, "layers": cfg.num_hidden_layers, "fp8": args.fp8,
@@ -159,13 +159,14 @@ def decode_batch(case: str) -> int:
     return int(batch) if name == "decode" and batch.isdigit() and int(batch) > 0 else 0
 
 
-def with_prompt_graphs(runner) -> dict:
+def with_prompt_graphs(runner, fp8_projections: bool) -> dict:
     """Capture and check the prompt graphs of the runner's step budget, as export does; the runner replays
     them from here on when they pass. What the check found, for the JSON."""
     from flare.engine.compile_cache import check_runner_prompt_graphs
     from flare.engine.config import prompt_graph_sizes
 
-    check = check_runner_prompt_graphs(runner, prompt_graph_sizes(runner.config.max_num_batched_tokens))
+    sizes = prompt_graph_sizes(runner.config.max_num_batched_tokens, fp8_projections)
+    check = check_runner_prompt_graphs(runner, sizes)
     print(f"prompt graphs: {len(check.sizes)} buckets, {check.note}", flush=True)
     return {"sizes": list(check.sizes), "note": check.note}
 

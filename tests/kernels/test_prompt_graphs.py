@@ -29,6 +29,10 @@ def test_buckets_run_from_small_ones_to_the_first_that_holds_the_step_budget():
     assert prompt_graph_sizes(4352) == (16, 32, 64, 128, 256, 384, 512)      # larger steps run eagerly
     assert prompt_graph_sizes(257) == (16, 32, 64, 128, 256, 384)
     assert prompt_graph_sizes(8) == (16,)
+    # FP8 projections: host-bound eager steps well past 512 tokens, so buckets up to the default budget
+    assert prompt_graph_sizes(4352, fp8_projections=True)[-8:] == (512, 768, 1024, 1536, 2048, 2304, 3072, 4352)
+    assert prompt_graph_sizes(2100, fp8_projections=True)[-3:] == (1536, 2048, 2304)
+    assert prompt_graph_sizes(100, fp8_projections=True) == prompt_graph_sizes(100)
     assert prompt_sizes_for((16, 32, 64, 256, 512), 40) == (16, 32, 64)     # serving below the prepared budget
     assert prompt_sizes_for((), 40) == ()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import msgspec
 import pytest
 
 from flare import prepare
@@ -324,3 +325,20 @@ def test_a_cpu_export_says_its_prompt_steps_run_eagerly(export, approved):
     assert package.plan.prompt_graph_sizes == ()
     [graphs] = [s for s in sections(build_report(package, InspectOptions(graphs=True))) if s.title.startswith("Graphs")]
     assert dict(graphs.rows)["prompt steps"] == "eager (prepared without a GPU)"
+
+
+def test_fp8_plans_capture_prompt_graphs_up_to_the_step_budget(tmp_path):
+    """Export checks the larger FP8 set of prompt buckets when the plan (online FP8) or the checkpoint puts
+    projections in FP8; otherwise the steps past 512 tokens stay eager."""
+    from flare.engine.config import FP8_PROMPT_GRAPH_BUCKETS, PROMPT_GRAPH_BUCKETS
+    from flare.models.quantization import DECODER_PROJECTIONS
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    directory = write_tiny_checkpoint("llama", tmp_path)
+    plan = Plan(dtype="bfloat16", page_size=16, prefill_chunk=2048, compile=True, max_concurrency=256,
+                decode_capacities=(1, 256), max_model_len=4096, memory_reserve_bytes=0, tensor_parallel=1)
+    assert compile_cache.plan_prompt_graph_sizes(directory, plan) == PROMPT_GRAPH_BUCKETS
+    fp8_plan = msgspec.structs.replace(plan, online_fp8=DECODER_PROJECTIONS)
+    assert compile_cache.plan_prompt_graph_sizes(directory, fp8_plan) == FP8_PROMPT_GRAPH_BUCKETS
+    smaller = msgspec.structs.replace(fp8_plan, prefill_chunk=512, max_concurrency=16)      # budget 1,040
+    assert compile_cache.plan_prompt_graph_sizes(directory, smaller)[-2:] == (1024, 1536)

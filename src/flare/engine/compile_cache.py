@@ -206,7 +206,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
 
     import torch
 
-    from flare.engine.config import EngineConfig, prompt_graph_sizes, step_token_budget
+    from flare.engine.config import EngineConfig
     from flare.engine.factory import build_core, load_checkpoint_model
     from flare.engine.prompt_graphs import pages_to_check
     from flare.engine.step_cost import measurement_model_len
@@ -216,7 +216,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     prompt_tokens = warm_up_prompt_tokens(chunk, 1 << 30)
     max_model_len = max(prompt_tokens + 2, measurement_model_len(chunk))
     pages = -(-max_model_len // plan.page_size) + -(-(WARM_UP_SHORT_PROMPT + 2) // plan.page_size)
-    prompt_sizes = prompt_graph_sizes(step_token_budget(chunk, plan.max_concurrency))
+    prompt_sizes = plan_prompt_graph_sizes(checkpoint_dir, plan)
     pages = max(pages, pages_to_check(prompt_sizes[-1], plan.page_size))
     config = EngineConfig(max_concurrency=plan.max_concurrency, page_size=plan.page_size,
                           num_pages=pages, prefill_chunk=chunk,
@@ -248,6 +248,16 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
         torch.cuda.empty_cache()
     return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started - cost_seconds, costs, cost_seconds,
                         prompt_check)
+
+
+def plan_prompt_graph_sizes(checkpoint_dir, plan: Plan) -> tuple[int, ...]:
+    """The prompt-graph buckets export captures for `plan`: its step budget's, the larger FP8 set when the
+    checkpoint or the plan puts projections in FP8 (flare.engine.config.FP8_PROMPT_GRAPH_BUCKETS)."""
+    from flare.engine.config import prompt_graph_sizes, step_token_budget
+    from flare.models.loader import read_model_config
+
+    fp8_projections = read_model_config(checkpoint_dir, plan.online_fp8).fp8 is not None
+    return prompt_graph_sizes(step_token_budget(plan.prefill_chunk, plan.max_concurrency), fp8_projections)
 
 
 def _measure_steps(runner, device: str):

@@ -131,13 +131,19 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
 # 59.2 ms replayed (padding), while 64 beside 16 took 36.3 ms eager and 16.4 ms replayed; and every bucket
 # costs start-up time (21 buckets up to 4,352 tokens: 7.5 s of `flare run`). Larger steps run eagerly.
 PROMPT_GRAPH_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
+# FP8 projections keep a prompt step host-bound well past 512 tokens (each product quantizes its
+# activations and calls _scaled_mm from Python): on an H200 (2026-12-03, llama-8b, FP8 weights and KV) 64
+# decodes beside a 1,000-token prompt took 71.6 ms eager for 24.1 ms of kernels (benchmarks/profile_step.py
+# --fp8), and eager steps of 512-4,096 prompt tokens 54-109 ms where captured ones of 64-256 took 9-28 ms.
+# So FP8 models capture buckets up to the default step budget (two 2,048-token chunks beside 256 decodes).
+FP8_PROMPT_GRAPH_BUCKETS = PROMPT_GRAPH_BUCKETS + (768, 1024, 1536, 2048, 2304, 3072, 4352)
 
 
-def prompt_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+def prompt_graph_sizes(max_tokens: int, fp8_projections: bool = False) -> tuple[int, ...]:
     """The token buckets of prompt graphs (flare.engine.prompt_graphs) for steps of up to `max_tokens`
-    tokens (the step token budget): those of PROMPT_GRAPH_BUCKETS below it and the first that holds it;
-    steps past the largest run eagerly."""
-    return prompt_sizes_for(PROMPT_GRAPH_BUCKETS, max_tokens)
+    tokens (the step token budget): those of PROMPT_GRAPH_BUCKETS (FP8_PROMPT_GRAPH_BUCKETS for a model
+    with FP8 projections) below it and the first that holds it; steps past the largest run eagerly."""
+    return prompt_sizes_for(FP8_PROMPT_GRAPH_BUCKETS if fp8_projections else PROMPT_GRAPH_BUCKETS, max_tokens)
 
 
 def prompt_sizes_for(sizes, max_tokens: int) -> tuple[int, ...]:

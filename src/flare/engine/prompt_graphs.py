@@ -26,7 +26,7 @@ on each token's row alone.
 
 Buckets (`flare.engine.config.prompt_graph_sizes`): 16 to 512 tokens, the steps whose launches the GPU
 cannot hide (decode-heavy mixed steps, chunk tails, verification rounds); larger steps run eagerly, their
-matrix work hiding the launches. A package's plan records them only after `ignition export` captured them on the
+matrix work hiding the launches, except with FP8 projections, whose buckets go on to the step budget. A package's plan records them only after `ignition export` captured them on the
 GPU and checked their replays against the eager step (`check_prompt_graphs`); serving captures them
 again at start-up. On a CPU the same class runs the padded forward eagerly (capture=False), so the
 bookkeeping is testable without a GPU.
