@@ -4,7 +4,8 @@
 Decode: paged split-K decode attention vs torch (gather the pages, then scaled_dot_product_attention
 with GQA), reported as milliseconds and the KV bandwidth achieved (bytes of K and V read / time).
 Prefill: paged causal prefill vs SDPA over contiguous K/V (flash attention, no paging: a ceiling),
-reported as TFLOP/s. Every timed configuration is first checked against the float32 reference.
+reported as TFLOP/s. `--fp8-kv` runs decode over an FP8 cache (its bandwidth counts one byte a value
+and the scales). Every timed configuration is first checked against the float32 reference.
 Prints tables and writes JSON.
 
     python benchmarks/kernel_bench.py --output results/kernels.json
@@ -43,7 +44,17 @@ def relative_error(out, ref):
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def decode_cases(batches, contexts, sweep):
+def fp8_cache(kv):
+    """The bf16 cache `kv` as the FP8 KV cache stores it: e4m3 values and a float32 scale per token and KV
+    head (absolute maximum / 448); with the bf16 cache it stands for, for the reference."""
+    import torch
+
+    scales = kv.float().abs().amax(dim=-1).clamp(min=1e-12) / 448.0          # [2, pages, page, Hkv]
+    values = (kv.float() / scales[..., None]).to(torch.float8_e4m3fn)
+    return values, scales, (values.float() * scales[..., None]).bfloat16()
+
+
+def decode_cases(batches, contexts, sweep, fp8_kv=False):
     import torch
     import torch.nn.functional as F
 
@@ -54,6 +65,10 @@ def decode_cases(batches, contexts, sweep):
     for batch in batches:
         for context in contexts:
             kv, block_tables = paged_cache(batch, context, torch.bfloat16, generator)
+            cache, scales = kv, {}
+            if fp8_kv:
+                cache, kv_scales, kv = fp8_cache(kv)
+                scales = {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
             q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator, device="cuda").bfloat16()
             seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
             scale = HEAD_DIM ** -0.5
@@ -69,8 +84,8 @@ def decode_cases(batches, contexts, sweep):
             variants = [(64, 4)] + ([(32, 4), (128, 4), (64, 8), (128, 8)] if sweep else [])
             timings = {}
             for block_n, warps in variants:
-                run = lambda: decode_attention(q, kv[0], kv[1], block_tables, seq_lens, scale, splits,
-                                               block_n=block_n, num_warps=warps)
+                run = lambda: decode_attention(q, cache[0], cache[1], block_tables, seq_lens, scale, splits,
+                                               block_n=block_n, num_warps=warps, **scales)
                 error = relative_error(run(), ref)
                 if not error < 1e-2:
                     raise SystemExit(f"decode B={batch} ctx={context} block_n={block_n}: error {error}")
@@ -78,12 +93,13 @@ def decode_cases(batches, contexts, sweep):
             ours = timings["n64w4"]
             best = min(timings, key=timings.get)
             baseline = bench_ms(torch_decode)
-            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+            # bytes of K and V read: bf16 values, or e4m3 values and their float32 scales
+            kv_bytes = 2 * batch * context * KV_HEADS * (HEAD_DIM + 4 if fp8_kv else HEAD_DIM * 2)
             rows.append({"batch": batch, "context": context, "splits": splits, "triton_ms": ours,
                          "triton_GBps": kv_bytes / ours / 1e6, "best_variant": best,
                          "best_ms": timings[best], "variants_ms": timings, "torch_ms": baseline,
                          "speedup_vs_torch": baseline / ours, "rel_error_vs_sdpa": error})
-            del kv
+            del kv, cache
     return rows
 
 
@@ -151,6 +167,10 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--sweep", action="store_true", help="also time other block sizes / warp counts")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--fp8-kv", action="store_true",
+                        help="decode over an FP8 cache (e4m3 with per-token scales; the torch side reads its "
+                             "dequantized bf16 copy)")
+    parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--prefill-sweep", action="store_true", help="time prefill tile/warp/stage variants")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -160,13 +180,14 @@ def main(argv=None) -> int:
 
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    decode = [] if args.skip_decode else decode_cases(batches, contexts, args.sweep)
+    decode = [] if args.skip_decode else decode_cases(batches, contexts, args.sweep, args.fp8_kv)
     print(f"{'B':>4} {'ctx':>6} {'splits':>6} {'triton ms':>9} {'GB/s':>7} {'torch ms':>9} {'x':>6}  best variant")
     for row in decode:
         print(f"{row['batch']:>4} {row['context']:>6} {row['splits']:>6} {row['triton_ms']:>9.4f} "
               f"{row['triton_GBps']:>7.0f} {row['torch_ms']:>9.4f} {row['speedup_vs_torch']:>6.2f}  "
               f"{row['best_variant']} {row['best_ms']:.4f}")
-    prefill = prefill_cases([(0, 512), (0, 2048), (0, 8192), (4096, 1024), (16384, 512)], args.prefill_sweep)
+    prefill = [] if args.skip_prefill else prefill_cases([(0, 512), (0, 2048), (0, 8192), (4096, 1024), (16384, 512)],
+                                                         args.prefill_sweep)
     print(f"{'prefix':>6} {'chunk':>6} {'triton ms':>9} {'TFLOP/s':>8} {'sdpa ms':>8} {'TFLOP/s':>8}  best variant")
     for row in prefill:
         best = f"{row['best_variant']} {row['variants_ms'][row['best_variant']]:.3f}" if row["best_variant"] else ""
@@ -175,7 +196,7 @@ def main(argv=None) -> int:
     document = {"benchmark": "attention kernels", "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "triton": triton.__version__,
                 "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE},
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "fp8_kv": args.fp8_kv,
                 "decode": decode, "prefill": prefill}
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """FP8 products with FP8 activations (W8A8): the activations are quantized to e4m3 as the step runs, then
-torch._scaled_mm multiplies e4m3 by e4m3 on the tensor cores (cuBLASLt; CUTLASS for row-wise scales).
+torch._scaled_mm multiplies e4m3 by e4m3 on the tensor cores (cuBLASLt or CUTLASS, as torch chooses;
+block-wise runs cuBLAS's nvjet kernels on the H200).
 
 Why: the weight-only routes either convert every weight in registers (flare.kernels.fp8_gemm, 0.2-0.5x of
 bf16 cuBLAS from 32 rows on the H200) or dequantize the whole weight before cuBLAS
