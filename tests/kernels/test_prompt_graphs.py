@@ -56,10 +56,10 @@ def test_a_model_on_the_reference_backend_cannot_be_captured(tiny_llama):
     assert check.sizes == () and check.note == "not captured: attention does not run the Triton backend"
 
 
-def run_engine(directory, device, prompt_graph_sizes, seen=None, drafter=None):
+def run_engine(directory, device, prompt_graph_sizes, seen=None, drafter=None, draft=None):
     """Two requests, then a 40-token prompt prefilled in chunks of 16 beside their decodes; greedy tokens
     per request. `seen` collects the token count of every step the prompt graphs ran; with `drafter`,
-    decoding requests carry its drafts (up to 3)."""
+    decoding requests carry its drafts (up to 3); with `draft` ((model, config)), a draft model's."""
     from flare.engine.attention_triton import TritonBackend
     from flare.engine.runner import ModelRunner
     from flare.engine.speculation.settings import SpeculationSettings
@@ -68,9 +68,11 @@ def run_engine(directory, device, prompt_graph_sizes, seen=None, drafter=None):
     config = EngineConfig(max_concurrency=4, page_size=16, num_pages=32, max_model_len=128, prefill_chunk=16,
                           max_num_batched_tokens=32, enable_prefix_caching=False, decode_graph_sizes=(1, 2, 4),
                           prompt_graph_sizes=prompt_graph_sizes,
-                          speculation=SpeculationSettings(draft_tokens=3 if drafter else 0, adaptive=False))
+                          speculation=SpeculationSettings(draft_tokens=3 if drafter or draft else 0,
+                                                          adaptive=False))
     cfg, model = load_checkpoint(directory, torch.float32, device, TritonBackend())
-    runner = ModelRunner(model, cfg, config, device, torch.float32, seed=0, graphs=bool(prompt_graph_sizes))
+    runner = ModelRunner(model, cfg, config, device, torch.float32, seed=0, graphs=bool(prompt_graph_sizes),
+                         draft=draft)
     if runner.prompt_graphs is not None and seen is not None:
         real_run = runner.prompt_graphs.run
 
@@ -109,6 +111,45 @@ def test_steps_carrying_drafts_run_through_the_prompt_graphs_and_keep_the_tokens
     assert run_engine(tiny_llama, kernel_device, (16, 32), drafted, drafter=ConstantDrafter()) == expected
     # Decode steps leave the decode graphs when they carry drafts: the prompt graphs replay those too.
     assert len(drafted) > len(plain)
+
+
+def test_a_draft_models_rounds_replay_the_target_through_the_prompt_graphs(kernel_device, tiny_llama):
+    """A draft model runs beside every step, so the decode graphs stay off; the target's forward of its
+    rounds ((1 + k) tokens a row) replays through the prompt graphs, and greedy tokens stay the eager ones."""
+    from flare.engine.attention import TorchReferenceBackend
+    from flare.models import load_checkpoint
+
+    expected = run_engine(tiny_llama, kernel_device, ())
+    plain: list[int] = []
+    run_engine(tiny_llama, kernel_device, (16, 32), plain)
+    draft_cfg, draft_model = load_checkpoint(tiny_llama, torch.float32, kernel_device, TorchReferenceBackend())
+    drafted: list[int] = []
+    assert run_engine(tiny_llama, kernel_device, (16, 32), drafted, draft=(draft_model, draft_cfg)) == expected
+    # Without the draft, decode steps replay the decode graphs; beside it they replay the prompt graphs.
+    assert len(drafted) > len(plain)
+
+
+@pytest.mark.parametrize("reads_hidden_states", [False, True])
+def test_which_graphs_a_learned_draft_leaves(tiny_llama, monkeypatch, reads_hidden_states):
+    """Beside a learned draft no step fits the decode graphs; the prompt graphs stay, except beside an
+    EAGLE-3 head, which reads the target's hidden states from Python (a replay would leave them stale)."""
+    from types import SimpleNamespace
+
+    from flare.engine.attention_triton import TritonBackend
+    from flare.engine.runner import ModelRunner
+    from flare.engine.speculation.settings import SpeculationSettings
+    from flare.models import load_checkpoint
+
+    monkeypatch.setattr(ModelRunner, "_proposer", lambda self, draft, dtype: SimpleNamespace(
+        reads_target_hidden_states=reads_hidden_states))
+    config = EngineConfig(max_concurrency=2, page_size=16, num_pages=8, max_model_len=64, prefill_chunk=16,
+                          max_num_batched_tokens=32, decode_graph_sizes=(1, 2), prompt_graph_sizes=(16,),
+                          speculation=SpeculationSettings(draft_tokens=2))
+    cfg, model = load_checkpoint(tiny_llama, torch.float32, "cpu", TritonBackend())
+    runner = ModelRunner(model, cfg, config, "cpu", torch.float32, seed=0, graphs=True, capture=False,
+                         draft=("a learned draft", None))
+    assert runner.graphs is None
+    assert (runner.prompt_graphs is None) == reads_hidden_states
 
 
 def test_the_export_check_needs_a_gpu(tiny_llama):

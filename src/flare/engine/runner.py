@@ -16,6 +16,8 @@ the smallest token bucket that holds them when the config has prompt graph sizes
 (flare.engine.prompt_graphs), and call the same sampler. Rows that carry draft tokens (speculation) run
 that way too: their drafts are verified against the target's distributions at their 1 + k positions
 (flare.engine.speculation.verification), and each answers its accepted drafts and one more token.
+Beside a learned draft no step fits the decode graphs (the draft runs in every step); a draft model's
+steps still replay the prompt graphs, an EAGLE-3 head's run eagerly.
 """
 
 from __future__ import annotations
@@ -68,9 +70,15 @@ class ModelRunner:
         if draft is not None and config.speculation.draft_tokens:
             self.proposer = self._proposer(draft, dtype)
         self.graphs = self.prompt_graphs = None
-        if graphs and self.proposer is None:        # the draft model runs beside every step: eagerly
-            self.graphs = self._build_graphs(on_cuda if capture is None else capture)
-            self.prompt_graphs = self._build_prompt_graphs(on_cuda if capture is None else capture)
+        if graphs:
+            capture = on_cuda if capture is None else capture
+            # A learned draft runs beside every step, so no step fits the decode graphs; the target's
+            # forward still replays through the prompt graphs (a draft model's steps carry (1 + k) tokens a
+            # row), but not beside an EAGLE-3 head, which reads the target's hidden states from Python.
+            if self.proposer is None:
+                self.graphs = self._build_graphs(capture)
+            if self.proposer is None or not self.proposer.reads_target_hidden_states:
+                self.prompt_graphs = self._build_prompt_graphs(capture)
 
     def _proposer(self, draft, dtype: torch.dtype):
         from flare.models.eagle3 import Eagle3Draft

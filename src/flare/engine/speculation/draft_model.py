@@ -47,6 +47,8 @@ class Proposal:
 
 
 class DraftModelProposer:
+    reads_target_hidden_states = False      # only the target's sampled tokens: its forward may replay graphs
+
     def __init__(self, model, model_config, num_pages: int, page_size: int, max_slots: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model = model

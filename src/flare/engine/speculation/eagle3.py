@@ -29,6 +29,10 @@ from flare.engine.step import StepPlan
 
 
 class Eagle3Proposer:
+    # The head reads the target's aux_hidden, which the target's forward sets in Python: a graph replay
+    # would leave it at the capture's tensor, so the target's steps stay eager beside it.
+    reads_target_hidden_states = True
+
     def __init__(self, head, target_model, slots: BatchSlots, num_pages: int, page_size: int, max_slots: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.head = head
