@@ -16,7 +16,11 @@ from flare.engine_client.llm_engine import LLMEngine
 # repeat names and phrases of their own.
 PROMPTS = ["Once upon a time", "Tom had a red ball. Tom had a red ball. Tom had a", "The sun was hot.",
            "Lily and Ben went to the park. Lily and Ben"]
-HISTORY = SpeculationSettings(draft_tokens=4, history=True)
+# Fixed width: every step offers drafts. Adaptive selection prices rounds by this machine's wall-clock
+# timings, and on a loaded CPU plain steps run ahead can win outright, leaving a test with no drafts at
+# all; the adaptive hand-overs are tested with frozen measurements (`alternating`).
+HISTORY = SpeculationSettings(draft_tokens=4, history=True, adaptive=False)
+ADAPTIVE_HISTORY = SpeculationSettings(draft_tokens=4, history=True)
 
 
 def generate(stories260k, checked, prompts, params, speculation=SpeculationSettings(), **settings):
@@ -158,7 +162,7 @@ def test_plain_steps_run_ahead_between_drafted_rounds_and_change_no_token(storie
         expected, _ = generate(stories260k, checked, PROMPTS, params)
     else:
         params, expected = SamplingParams(temperature=0, max_tokens=80), plain
-    config = EngineConfig(page_size=16, num_pages=64, max_model_len=512, speculation=HISTORY)
+    config = EngineConfig(page_size=16, num_pages=64, max_model_len=512, speculation=ADAPTIVE_HISTORY)
     llm = checked(LLMEngine.from_checkpoint(stories260k, config, seed=0))
     answers = alternating(llm)
     outputs = llm.generate(PROMPTS, params)
