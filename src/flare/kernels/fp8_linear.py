@@ -19,7 +19,7 @@ import torch
 from flare.kernels.fp8_dequantize import dequantize_linear
 from flare.kernels.fp8_gemm import fp8_gemm
 from flare.kernels.fp8_gemv import fp8_gemv
-from flare.kernels.fp8_w8a8 import w8a8_linear, w8a8_supported
+from flare.kernels.fp8_w8a8 import takes_w8a8, w8a8_product
 from flare.kernels.routing import DEQUANTIZE_MIN_ROWS, FP8_GEMV, FP8_W8A8, fp8_route
 
 
@@ -30,9 +30,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     route = fp8_route(x.numel() // max(x.shape[-1], 1))
     if route == FP8_GEMV:
         return fp8_gemv(x, weight, scale, row_block, col_block, bias)
-    if route == FP8_W8A8 and x.device.type == "cuda" and w8a8_supported(
-            weight.shape[0], weight.shape[1], row_block, col_block, x.dtype, x.device.index or 0):
-        return w8a8_linear(x, weight, scale, row_block, col_block, bias)
+    if route == FP8_W8A8 and takes_w8a8(x, weight, row_block, col_block):
+        return w8a8_product(x, weight, scale, row_block, col_block, bias)
     return weight_only(x, weight, scale, bias, row_block, col_block)
 
 

@@ -146,9 +146,22 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_
     layouts `w8a8_supported` accepts (else ValueError)."""
     check_fp8_weight(x, weight, scale, row_block, col_block, bias, "w8a8_linear")
     n, k = weight.shape
-    if x.device.type != "cuda" or not w8a8_supported(n, k, row_block, col_block, x.dtype, x.device.index or 0):
+    if not takes_w8a8(x, weight, row_block, col_block):
         raise ValueError(f"w8a8_linear: {row_block}x{col_block} scales, N {n}, K {k}, {x.dtype} on {x.device} "
                          "are not supported here")
+    return w8a8_product(x, weight, scale, row_block, col_block, bias)
+
+
+def takes_w8a8(x: torch.Tensor, weight: torch.Tensor, row_block: int, col_block: int) -> bool:
+    """Whether `w8a8_product` runs for this activation and weight (`w8a8_supported` on x's CUDA device)."""
+    return x.device.type == "cuda" and w8a8_supported(weight.shape[0], weight.shape[1], row_block, col_block,
+                                                      x.dtype, x.device.index or 0)
+
+
+def w8a8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_block: int, col_block: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`w8a8_linear` without its checks, for a caller that made them (`takes_w8a8`): the routed operator."""
+    n, k = weight.shape
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     if col_block == 0:

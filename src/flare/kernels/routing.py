@@ -37,7 +37,7 @@ DEQUANTIZE_MIN_ROWS = 32
 # export's padded-step check by 0.4 (relative, random weights) and left prompt steps uncaptured.
 W8A8_MIN_ROWS = MAX_ROWS + 1
 
-FP8_GEMV, FP8_GEMM, FP8_DEQUANTIZE, FP8_W8A8 = "gemv", "gemm", "dequantize", "w8a8"
+FP8_GEMV, FP8_W8A8 = "gemv", "w8a8"
 
 _fp8_routed_devices: frozenset[str] = frozenset({"cuda"})
 
@@ -59,10 +59,7 @@ def routes_fp8_to_kernels(x: torch.Tensor) -> bool:
 
 
 def fp8_route(rows: int) -> str:
-    """The FP8 kernel for a product of `rows` rows: FP8_GEMV, FP8_W8A8 (where supported; else the
-    weight-only route of those rows), FP8_GEMM (skinny, split-K) or FP8_DEQUANTIZE (dequantize, then cuBLAS)."""
-    if rows <= MAX_ROWS:
-        return FP8_GEMV
-    if rows >= W8A8_MIN_ROWS:
-        return FP8_W8A8
-    return FP8_GEMM if rows < DEQUANTIZE_MIN_ROWS else FP8_DEQUANTIZE
+    """The FP8 kernel for a product of `rows` rows: FP8_GEMV, or FP8_W8A8 where the device and layout
+    support it and otherwise the weight-only route of those rows (flare.kernels.fp8_linear.weight_only:
+    the skinny GEMM below DEQUANTIZE_MIN_ROWS, dequantize + cuBLAS from there)."""
+    return FP8_GEMV if rows < W8A8_MIN_ROWS else FP8_W8A8

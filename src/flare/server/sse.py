@@ -15,12 +15,11 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 # JSON leaves U+0085, U+2028 and U+2029 unescaped, but clients that read a stream with Python's
 # str.splitlines (httpx's `aiter_lines`, and the SSE readers built on it) end a line there and then fail
 # on half an event. Escaped, the event is one line for every reader and decodes to the same text.
-_LINE_BREAKS = ("\x85", "\u2028", "\u2029")
-_ESCAPED_LINE_BREAKS = str.maketrans({char: f"\\u{ord(char):04x}" for char in _LINE_BREAKS})
+_ESCAPED_LINE_BREAKS = str.maketrans({char: f"\\u{ord(char):04x}" for char in ("\x85", "\u2028", "\u2029")})
 
 
 def _one_line(encoded: str) -> str:
-    if any(char in encoded for char in _LINE_BREAKS):
+    if "\u2028" in encoded or "\u2029" in encoded or "\x85" in encoded:     # per token: no generator
         return encoded.translate(_ESCAPED_LINE_BREAKS)
     return encoded
 
