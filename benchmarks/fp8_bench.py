@@ -44,7 +44,21 @@ PROMPT_ROWS = (256, 2048)
 LAYOUTS = {"block128": (128, 128), "per-row": (1, 0)}
 TOLERANCE = 1e-2
 W8A8_TOLERANCE = 6e-2              # activations rounded to e4m3 as well
-GEMV_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 8, 4), (64, 64, 4, 6), (16, 128, 4, 4)]
+GEMV_TILES = [(64, 128, 4, 4), (128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 8, 6), (128, 128, 16, 4),
+              (256, 128, 8, 4), (256, 128, 16, 4), (128, 256, 8, 4), (64, 256, 4, 4), (32, 128, 4, 4)]
+
+
+def gemv_sweep_configs(rows: int, n: int, k: int):
+    """The GEMV tiles of the sweep (fma at one or two rows, tensor cores beyond), each at half, once and
+    twice its default split of K, the split partials summed by the reduce kernel and inside the GEMV."""
+    from flare.kernels.fp8_gemv import Fp8GemvConfig, choose_split_k
+
+    for bn, bk, warps, stages in GEMV_TILES:
+        split = choose_split_k(n, k, bn)
+        for split_k in sorted({max(1, split // 2), split, min(16, split * 2)}):
+            for fused in (False, True) if split_k > 1 else (False,):
+                yield Fp8GemvConfig(block_n=bn, block_k=bk, split_k=split_k, use_dot=rows > 2,
+                                    num_warps=warps, num_stages=stages, fused_reduce=fused)
 
 
 def relative_error(out, ref) -> float:
@@ -94,7 +108,7 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int, gemv_sweep: bool) -> d
     from flare.kernels import fp8_linear  # noqa: F401  (registers torch.ops.flare.fp8_linear)
     from flare.kernels.fp8_dequantize import dequantize_linear
     from flare.kernels.fp8_gemm import candidates, fp8_gemm
-    from flare.kernels.fp8_gemv import Fp8GemvConfig, choose_split_k, fp8_gemv
+    from flare.kernels.fp8_gemv import fp8_gemv
     from flare.kernels.fp8_reference import dequantize
     from flare.kernels.fp8_w8a8 import w8a8_linear
     from flare.kernels.routing import MAX_ROWS, fp8_route
@@ -116,13 +130,9 @@ def bench_shape(n: int, k: int, rows: int, l2_bytes: int, gemv_sweep: bool) -> d
         candidates_ = {"flare fp8_linear": (lambda i: op(x, *weights[i], None, row_block, col_block), copies,
                                             routed_limit)}
         if rows <= MAX_ROWS and gemv_sweep:
-            for bn, bk, warps, stages in GEMV_TILES:
-                for split in sorted({1, choose_split_k(n, k, bn)}):
-                    for use_dot in (False, True):
-                        config = Fp8GemvConfig(block_n=bn, block_k=bk, split_k=split, use_dot=use_dot,
-                                               num_warps=warps, num_stages=stages)
-                        candidates_[f"gemv {asdict(config)}"] = (
-                            lambda i, c=config: fp8_gemv(x, *weights[i], row_block, col_block, None, c), copies, None)
+            for config in gemv_sweep_configs(rows, n, k):
+                candidates_[f"gemv {asdict(config)}"] = (
+                    lambda i, c=config: fp8_gemv(x, *weights[i], row_block, col_block, None, c), copies, None)
         if rows > MAX_ROWS:                       # the weight-only routes, whichever the operator took
             candidates_["gemm"] = (lambda i: fp8_gemm(x, *weights[i], row_block, col_block), copies, None)
             candidates_["deq+cuBLAS"] = (

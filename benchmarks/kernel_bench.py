@@ -54,11 +54,20 @@ def fp8_cache(kv):
     return values, scales, (values.float() * scales[..., None]).bfloat16()
 
 
+def decode_sweep(fp8_kv: bool) -> list:
+    """(block_n, num_warps, fp16_math, split factor) beside the default (64, 4, fp16, 1): tiles and warps,
+    and over an FP8 cache the products in q's dtype (bf16) and twice / four times the splits."""
+    tiles = [(32, 4, True, 1), (128, 4, True, 1), (64, 8, True, 1), (128, 8, True, 1)]
+    if not fp8_kv:
+        return tiles
+    return tiles + [(64, 4, False, 1), (128, 8, False, 1), (64, 4, True, 2), (64, 4, True, 4), (128, 8, True, 2)]
+
+
 def decode_cases(batches, contexts, sweep, fp8_kv=False):
     import torch
     import torch.nn.functional as F
 
-    from flare.kernels.decode_attention import choose_num_splits, decode_attention
+    from flare.kernels.decode_attention import MAX_SPLITS, choose_num_splits, decode_attention
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -81,15 +90,18 @@ def decode_cases(batches, contexts, sweep, fp8_kv=False):
                                                       enable_gqa=True)[:, :, 0]
 
             ref = torch_decode().float()
-            variants = [(64, 4)] + ([(32, 4), (128, 4), (64, 8), (128, 8)] if sweep else [])
+            variants = [(64, 4, True, 1)] + (decode_sweep(fp8_kv) if sweep else [])
             timings = {}
-            for block_n, warps in variants:
-                run = lambda: decode_attention(q, cache[0], cache[1], block_tables, seq_lens, scale, splits,
-                                               block_n=block_n, num_warps=warps, **scales)
+            for block_n, warps, fp16_math, split_factor in variants:
+                run = lambda: decode_attention(q, cache[0], cache[1], block_tables, seq_lens, scale,
+                                               min(MAX_SPLITS, splits * split_factor), block_n=block_n,
+                                               num_warps=warps, fp16_math=fp16_math, **scales)
                 error = relative_error(run(), ref)
                 if not error < 1e-2:
                     raise SystemExit(f"decode B={batch} ctx={context} block_n={block_n}: error {error}")
-                timings[f"n{block_n}w{warps}"] = bench_ms(run)
+                name = (f"n{block_n}w{warps}" + ("" if fp16_math else "-bf16")
+                        + (f"x{split_factor}" if split_factor > 1 else ""))
+                timings[name] = bench_ms(run)
             ours = timings["n64w4"]
             best = min(timings, key=timings.get)
             baseline = bench_ms(torch_decode)

@@ -63,6 +63,23 @@ def test_gemv_matches_reference(kernel_device, layout, config, split_k):
               config=replace(config, split_k=split_k))
 
 
+@pytest.mark.parametrize("config", [GEMV_FMA, GEMV_DOT], ids=["fma", "dot"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gemv_split_k_finished_in_the_kernel_equals_the_reduce_kernel(kernel_device, config, rows):
+    from flare.kernels.tile_counters import tile_counters
+
+    n, k, row_block, col_block = 130, 160, 128, 128
+    weight, scale = fp8_weight(n, k, row_block, col_block, kernel_device)
+    x = torch.randn(rows, k, device=kernel_device).to(torch.float16)
+    bias = torch.randn(n, device=kernel_device).to(torch.float16)
+    split = replace(config, split_k=3)
+    separate = fp8_gemv(x, weight, scale, row_block, col_block, bias, split)
+    for _ in range(2):                              # the second launch finds its counters zero again
+        fused = fp8_gemv(x, weight, scale, row_block, col_block, bias, replace(split, fused_reduce=True))
+        assert torch.equal(fused, separate)         # the same partials summed in the same order
+    assert not tile_counters(torch.device(kernel_device), 1).any()
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gemv_in_float32(kernel_device, rows):
     check(fp8_gemv, rows, (40, 256, 8, 0), torch.float32, kernel_device, with_bias=True,

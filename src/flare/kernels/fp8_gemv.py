@@ -31,6 +31,7 @@ import triton.language as tl
 
 from flare.kernels.gemv import _REDUCE_BLOCK, _split_reduce_kernel, choose_split_k
 from flare.kernels.routing import MAX_ROWS
+from flare.kernels.tile_counters import tile_counters
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Fp8GemvConfig:
     use_dot: bool = False          # tensor cores (rows padded to 16) instead of fma
     num_warps: int = 4
     num_stages: int = 4            # weight tiles in flight per program
+    fused_reduce: bool = False     # split-K: the last program of a tile sums the partials (no second kernel)
 
 
 def default_config(rows: int, n: int, k: int) -> Fp8GemvConfig:
@@ -57,12 +59,13 @@ def default_config(rows: int, n: int, k: int) -> Fp8GemvConfig:
 
 @triton.jit(do_not_specialize=["rows"])     # one compilation serves every row count
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, partial_ptr, counter_ptr,
     rows, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_os,
+    stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_ps, stride_pm,
     ROW_BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-    TILE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WRITE_PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, TILE_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -125,14 +128,29 @@ def _fp8_gemv_kernel(
         acc = acc * tl.load(s_ptrs)[:, None]
 
     store_mask = (offs_n[:, None] < N) & (offs_m[None, :] < rows)
+    partial_ptrs = partial_ptr + offs_m[None, :] * stride_pm + offs_n[:, None]
     if WRITE_PARTIAL:
-        out_ptrs = out_ptr + split * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc, mask=store_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + safe_n).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(partial_ptrs + split * stride_ps, acc, mask=store_mask)
+    if FUSED_REDUCE:                           # the tile's last program to finish sums all of its partials
+        tl.debug_barrier()                     # every thread's partial stored before the count goes up
+        splits = tl.num_programs(1)
+        if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, splits):         # split order: the same sum whichever program came last
+                acc += tl.load(partial_ptrs + s * stride_ps, mask=store_mask, other=0.0, cache_modifier=".cg")
+            _store_output(acc, b_ptr, out_ptr, safe_n, offs_m, offs_n, stride_om, store_mask, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + tile, 0)            # zero again for the next launch
+    elif not WRITE_PARTIAL:
+        _store_output(acc, b_ptr, out_ptr, safe_n, offs_m, offs_n, stride_om, store_mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_output(acc, b_ptr, out_ptr, safe_n, offs_m, offs_n, stride_om, store_mask, HAS_BIAS: tl.constexpr):
+    """out [rows, N] = acc [BLOCK_N, BLOCK_M] transposed (+ bias), in the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + safe_n).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=store_mask)
 
 
 def check_fp8_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row_block: int, col_block: int,
@@ -185,18 +203,21 @@ def _launch(x, weight, scale, row_block: int, col_block: int, bias, out, config:
     split_k = max(1, min(config.split_k, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     partial = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    fused = split_k > 1 and config.fused_reduce
+    tiles = triton.cdiv(n, config.block_n)
+    counters = tile_counters(x.device, tiles) if fused else scale
     launch = {} if x.device.type == "cpu" else {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
-        x, weight, scale, bias if bias is not None else scale, partial,
+    _fp8_gemv_kernel[(tiles, split_k)](
+        x, weight, scale, bias if bias is not None else scale, out, partial, counters,
         rows, n, k, k_per_split,
-        x.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), partial.stride(-2),
-        partial.stride(0) if split_k > 1 else 0,
+        x.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
+        partial.stride(0) if split_k > 1 else 0, partial.stride(-2),
         ROW_BLOCK=row_block, COL_BLOCK=col_block,
-        HAS_BIAS=bias is not None, WRITE_PARTIAL=split_k > 1, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, WRITE_PARTIAL=split_k > 1, FUSED_REDUCE=fused, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, TILE_SCALE=col_block != 0 and row_block % config.block_n == 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, **launch,
     )
-    if split_k > 1:
+    if split_k > 1 and not fused:
         _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), rows)](
             partial, bias if bias is not None else partial, out, n,
             partial.stride(0), partial.stride(1), out.stride(0),
