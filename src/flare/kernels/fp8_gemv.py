@@ -9,7 +9,8 @@ one scale, which the fma path folds into the BLOCK_K activations rather than int
 multiply per weight was the block-scaled GEMV's extra cost: 0.54x of bf16 against per-row's 1.10x on the
 H200, 2026-12-02); per-row scales apply once, after the loop. The inner products and the
 split-K are flare.kernels.gemv's (fma on CUDA cores for one or two rows, tensor cores beyond; float32
-partials summed in a fixed order by its reduction kernel).
+partials summed in a fixed order, by its reduction kernel or, with fused_reduce, by the tile's last
+program to finish: flare.kernels.tile_counters).
 
 Shapes:
     x       [..., K]  at most MAX_ROWS rows in all; last dim contiguous; bf16/fp16 (fp32 in tests)
@@ -47,13 +48,23 @@ class Fp8GemvConfig:
     fused_reduce: bool = False     # split-K: the last program of a tile sums the partials (no second kernel)
 
 
+# One or two rows, from the tile sweep on the H200 (fp8_bench --gemv-sweep, 2026-12-03): 128 x 128 e4m3
+# tiles over 8 warps, K split until one wave of programs (132 SMs) and slices of 512 bytes a row, the
+# split finished inside the kernel. llama-8b per layer 77.6 us (qkv 11.9, o_proj 8.9, gate_up 36.4, down
+# 20.4) against 103 us with the 64-row, 4-warp tiles and a reduce kernel.
+FMA_CONFIG = Fp8GemvConfig(block_n=128, block_k=128, use_dot=False, num_warps=8, num_stages=4, fused_reduce=True)
+FMA_TARGET_PROGRAMS = 132
+FMA_MIN_K_PER_SPLIT = 512
+
+
 def default_config(rows: int, n: int, k: int) -> Fp8GemvConfig:
-    """Before tuning: fma for one or two rows, tensor cores beyond; K split until the grid fills the GPU.
-    A tile of 64 rows x 128 e4m3 is 8 KiB, half the bf16 kernel's 32 x 256, with one more stage in flight."""
-    if rows <= 2:
-        config = Fp8GemvConfig(block_n=64 // max(rows, 1), use_dot=False)
-    else:
-        config = Fp8GemvConfig(block_n=64, use_dot=True)
+    """Before tuning: fma for one or two rows (FMA_CONFIG), tensor cores beyond, 64-row tiles of 128 e4m3
+    (8 KiB, half the bf16 kernel's 32 x 256) with K split until the grid fills the GPU twice."""
+    if rows <= 2:                      # two rows: half the tile, the same registers per thread
+        block_n = FMA_CONFIG.block_n // max(rows, 1)
+        split_k = choose_split_k(n, k, block_n, FMA_TARGET_PROGRAMS, FMA_MIN_K_PER_SPLIT)
+        return replace(FMA_CONFIG, block_n=block_n, split_k=split_k)
+    config = Fp8GemvConfig(block_n=64, use_dot=True)
     return replace(config, split_k=choose_split_k(n, k, config.block_n))
 
 

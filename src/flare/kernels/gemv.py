@@ -66,12 +66,13 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
     return replace(config, split_k=choose_split_k(n, k, config.block_n))
 
 
-def choose_split_k(n: int, k: int, block_n: int) -> int:
-    """Double the split until the grid reaches TARGET_PROGRAMS, keeping slices >= MIN_K_PER_SPLIT long."""
+def choose_split_k(n: int, k: int, block_n: int, target_programs: int = TARGET_PROGRAMS,
+                   min_k_per_split: int = MIN_K_PER_SPLIT) -> int:
+    """Double the split until the grid reaches target_programs, keeping slices >= min_k_per_split long."""
     tiles = triton.cdiv(n, block_n)
     split_k = 1
-    while (tiles * split_k < TARGET_PROGRAMS and split_k * 2 <= MAX_SPLIT_K
-           and k // (split_k * 2) >= MIN_K_PER_SPLIT):
+    while (tiles * split_k < target_programs and split_k * 2 <= MAX_SPLIT_K
+           and k // (split_k * 2) >= min_k_per_split):
         split_k *= 2
     return split_k
 
