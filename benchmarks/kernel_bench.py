@@ -54,13 +54,20 @@ def fp8_cache(kv):
     return values, scales, (values.float() * scales[..., None]).bfloat16()
 
 
-def decode_sweep(fp8_kv: bool) -> list:
-    """(block_n, num_warps, fp16_math, split factor) beside the default (64, 4, fp16, 1): tiles and warps,
-    and over an FP8 cache the products in q's dtype (bf16) and twice / four times the splits."""
-    tiles = [(32, 4, True, 1), (128, 4, True, 1), (64, 8, True, 1), (128, 8, True, 1)]
+def decode_sweep(fp8_kv: bool) -> dict:
+    """{name: decode_attention knobs} beside the kernel's defaults ("default"): tiles, warps and stages, and
+    over an FP8 cache the products in q's dtype (bf16) and twice the splits (key "split_factor")."""
+    tiles = ((32, 4), (64, 4), (128, 4), (64, 8), (128, 8))
+    variants = {f"n{n}w{w}": dict(block_n=n, num_warps=w) for n, w in tiles}
+    variants.update({f"n64w4s{st}": dict(block_n=64, num_stages=st) for st in (1, 2, 4)})
+    variants["n128w4s2"] = dict(block_n=128, num_stages=2)
     if not fp8_kv:
-        return tiles
-    return tiles + [(64, 4, False, 1), (128, 8, False, 1), (64, 4, True, 2), (64, 4, True, 4), (128, 8, True, 2)]
+        return variants
+    variants["n64w4-bf16"] = dict(block_n=64, fp16_math=False)
+    variants["n128w8-bf16"] = dict(block_n=128, num_warps=8, fp16_math=False)
+    variants.update({"n128w4s2x2": dict(block_n=128, num_stages=2, split_factor=2),
+                     "n64w4x2": dict(block_n=64, split_factor=2)})
+    return variants
 
 
 def decode_cases(batches, contexts, sweep, fp8_kv=False):
@@ -90,19 +97,18 @@ def decode_cases(batches, contexts, sweep, fp8_kv=False):
                                                       enable_gqa=True)[:, :, 0]
 
             ref = torch_decode().float()
-            variants = [(64, 4, True, 1)] + (decode_sweep(fp8_kv) if sweep else [])
+            variants = {"default": {}, **(decode_sweep(fp8_kv) if sweep else {})}
             timings = {}
-            for block_n, warps, fp16_math, split_factor in variants:
-                run = lambda: decode_attention(q, cache[0], cache[1], block_tables, seq_lens, scale,
-                                               min(MAX_SPLITS, splits * split_factor), block_n=block_n,
-                                               num_warps=warps, fp16_math=fp16_math, **scales)
+            for name, knobs in variants.items():
+                knobs = dict(knobs)
+                num_splits = min(MAX_SPLITS, splits * knobs.pop("split_factor", 1))
+                run = lambda: decode_attention(q, cache[0], cache[1], block_tables, seq_lens, scale, num_splits,
+                                               **knobs, **scales)
                 error = relative_error(run(), ref)
                 if not error < 1e-2:
-                    raise SystemExit(f"decode B={batch} ctx={context} block_n={block_n}: error {error}")
-                name = (f"n{block_n}w{warps}" + ("" if fp16_math else "-bf16")
-                        + (f"x{split_factor}" if split_factor > 1 else ""))
+                    raise SystemExit(f"decode B={batch} ctx={context} {name}: error {error}")
                 timings[name] = bench_ms(run)
-            ours = timings["n64w4"]
+            ours = timings["default"]
             best = min(timings, key=timings.get)
             baseline = bench_ms(torch_decode)
             # bytes of K and V read: bf16 values, or e4m3 values and their float32 scales
