@@ -50,8 +50,8 @@ class Fp8GemvConfig:
 
 # One or two rows, from the tile sweep on the H200 (fp8_bench --gemv-sweep, 2026-12-03): 128 x 128 e4m3
 # tiles over 8 warps, K split until one wave of programs (132 SMs) and slices of 512 bytes a row, the
-# split finished inside the kernel. llama-8b per layer 77.6 us (qkv 11.9, o_proj 8.9, gate_up 36.4, down
-# 20.4) against 103 us with the 64-row, 4-warp tiles and a reduce kernel.
+# split finished inside the kernel. llama-8b per layer 77.9 us (qkv 12.1, o_proj 8.9, gate_up 36.5, down
+# 20.4) against 110 us with the 64-row, 4-warp tiles and a reduce kernel.
 FMA_CONFIG = Fp8GemvConfig(block_n=128, block_k=128, use_dot=False, num_warps=8, num_stages=4, fused_reduce=True)
 FMA_TARGET_PROGRAMS = 132
 FMA_MIN_K_PER_SPLIT = 512
