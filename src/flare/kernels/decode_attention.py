@@ -173,8 +173,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
     """Attention of one query token per sequence over its paged context; returns out [B, Hq, D].
 
     num_splits is fixed for a captured graph (choose_num_splits with the capture's longest context);
-    k_scale/v_scale come with an FP8 cache; block_n (context tokens per inner step), num_warps and
-    fp16_math (an FP8 cache's products in fp16 rather than q's dtype) are knobs for benchmarks."""
+    k_scale/v_scale come with an FP8 cache; block_n (context tokens per inner step), num_warps,
+    num_stages and fp16_math (an FP8 cache's products in fp16 rather than q's dtype) are knobs for
+    benchmarks; left out, an FP8 cache takes FP8_BLOCK_N and FP8_NUM_STAGES."""
     import torch
 
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
