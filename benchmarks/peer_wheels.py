@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""The peer server's wheels for the GPU machine, in parts that one device call each can carry.
+
+The GPU machine reaches no package index, and one call carries at most 64 MiB of the working tree, while
+vLLM's wheel alone is ~300 MB. This resolves a package's dependencies for CPython 3.12 on x86-64 Linux
+from its wheels' metadata (breadth first, markers evaluated for that platform), skipping the packages the
+GPU machine already holds (`--present-file`: the names `python3 -m pip list` prints there), downloads
+the rest, and cuts them into `OUT/part1 ... partN`, each under `--part-mib`: large wheels are split into
+pieces (`NAME.whl.000`, `.001`, ...) that `benchmarks/peer_stage.sh` joins again on the device.
+
+    python3 benchmarks/peer_wheels.py vllm==0.26.0 --present-file present.txt --out .peer \
+        --skip pynvvideocodec torchcodec tilelang tokenspeed-mla
+
+(vLLM 0.26.0 on 2026-12-03: 88 wheels, 658 MiB; with that --skip list 82 wheels, 445 MiB, 10 parts of
+48 MiB. What is skipped must never be imported by the benchmark's server: video decoders, and kernels
+for models other than Llama's. A part and the repository's own files travel together under the 64 MiB
+limit of one call, hence 48 MiB parts.)
+
+`.peer` is a folder git ignores (`echo /.peer/ >> .git/info/exclude`). Then one GPU-machine call per part,
+while the machine stays warm (files outside the repo survive between calls only on the same machine):
+`bash benchmarks/peer_stage.sh .peer/partK` with `.peer/partK` carried along, and after the last part
+`bash benchmarks/peer_stage.sh --install` (wheels into /tmp/peer-site).
+Versions the device already holds are trusted; `python3 -m pip check` after the install says where not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64",
+             "manylinux1_x86_64", "any"]
+MARKER_ENVIRONMENT = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+                      "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+                      "implementation_name": "cpython", "platform_python_implementation": "CPython",
+                      "extra": ""}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def download(requirement: str, folder: Path) -> Path:
+    """One wheel (no dependencies) for the GPU machine's Python and platform; its path."""
+    before = set(folder.glob("*.whl"))
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.12", "--implementation", "cp", "-d", str(folder), requirement]
+    for platform in PLATFORMS:
+        command[command.index("-d"):command.index("-d")] = ["--platform", platform]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    added = set(folder.glob("*.whl")) - before
+    if added:
+        return added.pop()
+    name = canonical(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
+    for wheel in folder.glob("*.whl"):           # downloaded before, for another requirement
+        if canonical(wheel.name.split("-")[0]) == name:
+            return wheel
+    raise SystemExit(f"pip downloaded nothing for {requirement}")
+
+
+def requirements(wheel: Path) -> list[str]:
+    """The Requires-Dist lines of a wheel that apply on the GPU machine (no extras)."""
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode().splitlines()
+    wanted = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        requirement = Requirement(line.split(":", 1)[1].strip())
+        if requirement.marker is None or requirement.marker.evaluate(MARKER_ENVIRONMENT):
+            wanted.append(str(requirement).split(";")[0].strip())
+    return wanted
+
+
+def resolve(root: str, present: set[str], folder: Path) -> list[Path]:
+    """Every wheel `root` needs beyond `present`, breadth first, one version per name (the first met)."""
+    seen, queue, wheels = set(present), [root], []
+    while queue:
+        requirement = queue.pop(0)
+        name = canonical(re.split(r"[<>=!~\[ ]", requirement, maxsplit=1)[0])
+        if name in seen:
+            continue
+        seen.add(name)
+        wheel = download(requirement, folder)
+        wheels.append(wheel)
+        print(f"  {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB)", flush=True)
+        queue.extend(requirements(wheel))
+    return wheels
+
+
+def pack(wheels: list[Path], out: Path, part_bytes: int) -> int:
+    """The wheels in parts of at most part_bytes, large ones split into numbered pieces; the part count."""
+    pieces = []
+    for wheel in sorted(wheels, key=lambda w: -w.stat().st_size):
+        data = wheel.read_bytes()
+        if len(data) <= part_bytes:
+            pieces.append((wheel.name, data))
+        else:
+            pieces += [(f"{wheel.name}.{i:03d}", data[start:start + part_bytes])
+                       for i, start in enumerate(range(0, len(data), part_bytes))]
+    parts: list[list[tuple[str, bytes]]] = []
+    for name, data in pieces:                     # first fit: each piece into the first part it fits
+        for part in parts:
+            if sum(len(d) for _, d in part) + len(data) <= part_bytes:
+                part.append((name, data))
+                break
+        else:
+            parts.append([(name, data)])
+    for number, part in enumerate(parts, 1):
+        folder = out / f"part{number}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in part:
+            (folder / name).write_bytes(data)
+    return len(parts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("requirement", help="e.g. vllm==0.26.0")
+    parser.add_argument("--present-file", type=Path, required=True,
+                        help="names of the packages the GPU machine holds, separated by commas or newlines")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="packages left out although required (e.g. video decoders a text benchmark never imports)")
+    parser.add_argument("--out", type=Path, default=Path(".peer"))
+    parser.add_argument("--part-mib", type=int, default=48)
+    args = parser.parse_args(argv)
+    present = {canonical(n) for n in re.split(r"[,\s]+", args.present_file.read_text()) if n}
+    present |= {canonical(n) for n in args.skip}
+    if args.out.exists() and any(args.out.iterdir()):
+        raise SystemExit(f"{args.out} is not empty: remove it first")
+    downloads = args.out / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheels = resolve(args.requirement, present, downloads)
+    parts = pack(wheels, args.out, args.part_mib << 20)
+    total = sum(w.stat().st_size for w in wheels) / 2**20
+    print(f"{len(wheels)} wheels, {total:.0f} MiB, in {parts} parts under {args.out} "
+          f"(the downloads stay in {downloads}; carry only the parts)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
