@@ -50,6 +50,10 @@ def test_triton_backend_matches_the_reference_backend(kernel_device, query_lens,
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.equal(ours_cache.float(), ref_cache)          # the same slots written, the rest untouched
     assert relative_error(out, ref) < tolerance(dtype, kernel_device)
+    given = torch.full_like(query, float("nan"))              # the caller's buffer takes every row
+    returned = triton_backend.attend(query, key, value, ours_cache, meta, head_dim ** -0.5, out=given)
+    assert returned.data_ptr() == given.data_ptr()
+    assert torch.equal(given, out)
 
 
 def test_compiled_model_code_traces_through_the_attention_op(kernel_device):

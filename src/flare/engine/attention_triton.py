@@ -25,9 +25,9 @@ from flare.engine.attention import AttentionBackend, AttentionMetadata, fp8_kv_v
 def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                         slot_mapping: torch.Tensor, scale: float, max_query_len: int,
-                        decode_splits: int, num_decodes: int = 0) -> torch.Tensor:
+                        decode_splits: int, num_decodes: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D], kv_cache [2, pages, page_size, Hkv, D] (or the uint8 FP8
-    cache of flare.engine.attention) -> [T, Hq, D].
+    cache of flare.engine.attention) -> [T, Hq, D], written into `out` when given (query's shape and dtype).
 
     `num_decodes`: the first sequences bring one new token each (0: unknown); `decode_splits` is the
     split-K count of decode and multi-query attention (over the whole batch, or over those first
@@ -46,13 +46,15 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), k_cache, v_cache, slot_mapping)
     queries = uniform_query_len(query.shape[0], seq_lens.shape[0], max_query_len)
     if queries == 1:
-        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, **scales)
+        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, out,
+                                **scales)
     if 1 < queries <= MAX_QUERY_TOKENS:
-        return multi_query_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, **scales)
+        return multi_query_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, out,
+                                     **scales)
     if num_decodes == 0:
         return flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                       max_query_len=max_query_len, **scales)
-    out = torch.empty_like(query)
+                                       max_query_len=max_query_len, out=out, **scales)
+    out = torch.empty_like(query) if out is None else out
     decode_attention(query[:num_decodes], k_cache, v_cache, block_tables[:num_decodes], seq_lens[:num_decodes],
                      scale, decode_splits, out=out[:num_decodes], **scales)
     # Not slices of the metadata: offset pointers would change the kernel's alignment specialization
@@ -104,14 +106,22 @@ class TritonBackend(AttentionBackend):
             return self.interceptor(self, query, key, value, kv_cache, scale)
         return self.attend(query, key, value, kv_cache, meta, scale)
 
-    def attend(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """The attention itself: `forward` when nothing intercepts it."""
+    def attend(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention itself: `forward` when nothing intercepts it. `out` (eager callers only: the
+        custom operator returns a new tensor) takes the result in place of a new tensor."""
         from flare.kernels.decode_attention import choose_num_splits
 
         splits = self.decode_splits
         if splits is None:
             splits = choose_num_splits(meta.num_decodes or meta.seq_lens.shape[0], key.shape[1],
                                        meta.max_seq_len)
-        attend = paged_attention if torch.compiler.is_compiling() else run_paged_attention
-        return attend(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                      meta.slot_mapping, scale, meta.max_query_len, splits, meta.num_decodes)
+        if torch.compiler.is_compiling():
+            if out is not None:
+                raise ValueError("attend(out=...) is for eager callers; traced code takes the operator's result")
+            return paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
+                                   meta.num_decodes)
+        return run_paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
+                                   meta.num_decodes, out)

@@ -131,9 +131,8 @@ class PromptGraphs:
 
     def _attend(self, call: AttentionCall, count: int, meta) -> None:
         """One layer's attention over the real rows of the static query, key and value."""
-        out = call.backend.attend(self.query[:count], self.key[:count], self.value[:count], call.kv_cache, meta,
-                                  call.scale)
-        self.attention_out[:count].copy_(out)
+        call.backend.attend(self.query[:count], self.key[:count], self.value[:count], call.kv_cache, meta,
+                            call.scale, out=self.attention_out[:count])
 
     def _stage(self, size: int, query, key, value) -> torch.Tensor:
         """The end of a stretch: the layer's query, key and value into the static buffers."""
