@@ -45,18 +45,24 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def requirement_name(requirement: str) -> str:
+    """The canonical project name of a requirement string ("nvidia-cutlass-dsl[cu13]==4.6.0" and the like)."""
+    from packaging.requirements import Requirement
+
+    return canonical(Requirement(requirement).name)
+
+
 def download(requirement: str, folder: Path) -> Path:
     """One wheel (no dependencies) for the GPU machine's Python and platform; its path."""
     before = set(folder.glob("*.whl"))
+    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.12", "--implementation", "cp", "-d", str(folder), requirement]
-    for platform in PLATFORMS:
-        command[command.index("-d"):command.index("-d")] = ["--platform", platform]
+               "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(folder), requirement]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     added = set(folder.glob("*.whl")) - before
     if added:
         return added.pop()
-    name = canonical(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
+    name = requirement_name(requirement)
     for wheel in folder.glob("*.whl"):           # downloaded before, for another requirement
         if canonical(wheel.name.split("-")[0]) == name:
             return wheel
@@ -85,7 +91,7 @@ def resolve(root: str, present: set[str], folder: Path) -> list[Path]:
     seen, queue, wheels = set(present), [root], []
     while queue:
         requirement = queue.pop(0)
-        name = canonical(re.split(r"[<>=!~\[ ]", requirement, maxsplit=1)[0])
+        name = requirement_name(requirement)
         if name in seen:
             continue
         seen.add(name)

@@ -107,20 +107,15 @@ def _decode_split_kernel(
             k_scale = tl.load(ks_ptr + scale_offsets, mask=token_mask, other=0.0)
             v_scale = tl.load(vs_ptr + scale_offsets, mask=token_mask, other=0.0)
             if FP16_MATH:
+                v = v.to(tl.float16) * v_scale.to(tl.float16)[:, None]
                 scores = tl.dot(q, tl.trans(k.to(tl.float16))) * k_scale[None, :]
             else:
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
                 scores = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scale * qk_scale_log2)[None, :]
-            scores = tl.where(token_mask[None, :], scores, float("-inf"))
-            if FP16_MATH:
-                acc, m, l = online_softmax_step(acc, m, l, scores,
-                                                v.to(tl.float16) * v_scale.to(tl.float16)[:, None])
-            else:
-                acc, m, l = online_softmax_step(acc, m, l, scores,
-                                                (v.to(tl.float32) * v_scale[:, None]).to(q.dtype))
         else:
             scores = tl.dot(q, tl.trans(k)) * qk_scale_log2       # [BLOCK_H, BLOCK_N], log2 units
-            scores = tl.where(token_mask[None, :], scores, float("-inf"))
-            acc, m, l = online_softmax_step(acc, m, l, scores, v)
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        acc, m, l = online_softmax_step(acc, m, l, scores, v)
 
     has_tokens = l > 0
     o = acc / tl.where(has_tokens, l, 1.0)[:, None]
@@ -211,8 +206,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
         mid_lse.stride(0), mid_lse.stride(1),
         num_splits,
         PAGE_SIZE=page_size, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, FP8_KV=fp8, FP16_MATH=fp8 and fp16_math,
-        **launch,
+        BLOCK_N=block_n, FP8_KV=fp8, FP16_MATH=fp8 and fp16_math, **launch,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
