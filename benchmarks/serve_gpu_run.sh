@@ -33,12 +33,16 @@
 #               each step's device busy time), the next COUNT under cProfile; `trace-summary` prints both
 #               (and stops the server: a restart or trace phase must follow for more serve phases)
 #   bench       `ignition bench` of the checkpoint (stops the server; later serve phases need a restart)
+#   peer:CASES  vLLM's own client (`vllm bench serve`, benchmarks/peer_client.py) against this server, for
+#               the comma-separated CASES (e.g. peer:c1:greedy,c64:top-p,u256:top-p), results in OUT/peer;
+#               vLLM from PEER_SITE (default /tmp/peer-site, benchmarks/peer_stage.sh), the client only
 # Environment: PY (python, default python3), OUT (also packed into OUT/results.tgz), WORK (scratch, default
 # /tmp/flare-work; other shapes' checkpoints and earlier packages there are removed first), PORT,
 # MAX_CONCURRENCY (export, default 256), WHEELS (a folder of wheels to install first, default .whl),
 # EXPORT_FLAGS (more `ignition export` flags, e.g. "--online-mxfp8 --kv-cache-dtype fp8": FP8 weights and
 # an FP8 KV cache; recorded in device.txt and summary.json), GATE (default 1: benchmarks/numerics_gate.sh
-# runs first, before anything holds the GPU; 0 skips it).
+# runs first, before anything holds the GPU; 0 skips it), REUSE_EXPORT (1: keep earlier packages, and serve
+# the one an earlier run exported with the same shape, width and flags), EXPORT_ONLY (1: stop after export).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
@@ -80,19 +84,10 @@ CKPT=$WORK/ckpt-${SHAPE/:/-}
 # WORK is scratch: an 8B checkpoint and its package take ~32 GB, so other shapes' checkpoints and
 # earlier packages go first (a 64 GiB disk once ran full on the second model).
 for old in "$WORK"/ckpt-*; do [ "$old" != "$CKPT" ] && rm -rf "$old"; done
-rm -rf "$HOME/.cache/flare/packages"
+[ "${REUSE_EXPORT:-0}" = 1 ] || rm -rf "$HOME/.cache/flare/packages"
 if [ ! -f "$CKPT/config.json" ]; then
   log "checkpoint $SHAPE"
-  "$PY" - "$CKPT" "$SHAPE" <<'PY'
-import sys
-sys.path.insert(0, "carry/bench")
-import make_random_checkpoint as m
-out, shape = sys.argv[1], sys.argv[2]
-name, _, layers = shape.partition(":")
-if layers:
-    m.SHAPES[name]["num_hidden_layers"] = int(layers)
-m.main(out, name)
-PY
+  "$PY" benchmarks/write_bench_checkpoint.py "$CKPT" "$SHAPE"
 fi
 
 case " $PHASES " in
@@ -102,15 +97,25 @@ case " $PHASES " in
     "$PY" benchmarks/json_bench_tokenizer.py "$CKPT" "$VOCAB_SIZE" ;;
 esac
 
-log "ignition export"
-started=$(now)
-# shellcheck disable=SC2086  # EXPORT_FLAGS is a list of flags
-ignition export "$CKPT" --max-concurrency "${MAX_CONCURRENCY:-256}" ${EXPORT_FLAGS:-} > "$WORK/entry" 2> "$OUT/export.log"
-rc=$?
-export_s=$(elapsed "$started")
-tail -15 "$OUT/export.log"
-if [ $rc -ne 0 ]; then echo "export failed ($rc)"; exit 1; fi
-ENTRY=$(tail -1 "$WORK/entry")
+# One entry file per export (shape, width, flags): with REUSE_EXPORT=1 a package exported earlier on this
+# machine is served again instead of exported again (e.g. exported in the background while other work ran).
+ENTRY_FILE=$WORK/entry-$(echo "$SHAPE-${MAX_CONCURRENCY:-256}-${EXPORT_FLAGS:-bf16}" | tr -c 'A-Za-z0-9\n-' '_')
+if [ "${REUSE_EXPORT:-0}" = 1 ] && [ -s "$ENTRY_FILE" ] && [ -s "$ENTRY_FILE.seconds" ]; then
+  export_s=$(cat "$ENTRY_FILE.seconds")
+  cp "$ENTRY_FILE.log" "$OUT/export.log"
+  log "reusing the package exported earlier (${export_s}s): $(tail -1 "$ENTRY_FILE")"
+else
+  log "ignition export"
+  started=$(now)
+  # shellcheck disable=SC2086  # EXPORT_FLAGS is a list of flags
+  ignition export "$CKPT" --max-concurrency "${MAX_CONCURRENCY:-256}" ${EXPORT_FLAGS:-} > "$ENTRY_FILE" 2> "$OUT/export.log"
+  rc=$?
+  export_s=$(elapsed "$started")
+  tail -15 "$OUT/export.log"
+  if [ $rc -ne 0 ]; then echo "export failed ($rc)"; rm -f "$ENTRY_FILE"; exit 1; fi
+  echo "$export_s" > "$ENTRY_FILE.seconds" && cp "$OUT/export.log" "$ENTRY_FILE.log"
+fi
+ENTRY=$(tail -1 "$ENTRY_FILE")
 echo "export ${export_s}s -> $ENTRY"
 FINGERPRINT=$("$PY" -c 'import sys; from flare.package.signing import main; sys.exit(main(["--development-fingerprint"]))')
 
@@ -119,6 +124,7 @@ FINGERPRINT=$("$PY" -c 'import sys; from flare.package.signing import main; sys.
 from flare.package.reader import open_unverified
 print(json.dumps(msgspec.to_builtins(open_unverified(sys.argv[1]).plan.step_costs)))' "$ENTRY" \
   > "$OUT/step_costs.json" 2>&1 && head -c 600 "$OUT/step_costs.json"; echo
+if [ "${EXPORT_ONLY:-0}" = 1 ]; then log "EXPORT_ONLY: no server"; exit 0; fi
 
 SERVER_PID=
 SERVER_FLAGS=()      # scheduling flags of the running server (bound:MS, policy:NAME)
@@ -241,6 +247,12 @@ for path in glob.glob(sys.argv[1] + "/*.prof"):
 for path in glob.glob(sys.argv[1] + "/*.prof"):
     pstats.Stats(path).sort_stats("cumulative").print_stats(45)' "$OUT/startup-profile" 2>&1 \
         | grep -v '^\s*$' | cut -c1-160 | head -70 ;;
+    peer:*) log "vllm bench serve: ${phase#peer:}"
+            # shellcheck disable=SC2046  # the case list splits at commas
+            PYTHONPATH=${PEER_SITE:-/tmp/peer-site} timeout "${PEER_TIMEOUT:-540}" "$PY" benchmarks/peer_client.py \
+              --base-url "http://127.0.0.1:$PORT" --model "$SERVED" --tokenizer "$CKPT" --out "$OUT/peer" \
+              --label "flare ${EXPORT_FLAGS:-bf16}" $(echo "${phase#peer:}" | tr ',' ' ') > "$OUT/peer.log" 2>&1
+            grep -A40 "^flare .*: case" "$OUT/peer.log" || tail -30 "$OUT/peer.log" ;;
     bench)   # ignition bench on the checkpoint (the server is stopped first: it holds the GPU's memory)
       stop_server; log "ignition bench"
       ignition bench "$CKPT" --batches "${BENCH_BATCHES:-1,8,32,64}" --contexts "${BENCH_CONTEXTS:-512,4096}" \
