@@ -8,13 +8,16 @@ GPU machine already holds (`--present-file`: the names `python3 -m pip list` pri
 the rest, and cuts them into `OUT/part1 ... partN`, each under `--part-mib`: large wheels are split into
 pieces (`NAME.whl.000`, `.001`, ...) that `benchmarks/peer_stage.sh` joins again on the device.
 
-    python3 benchmarks/peer_wheels.py vllm==0.26.0 --present-file present.txt --out .peer \
-        --skip pynvvideocodec torchcodec tilelang tokenspeed-mla
+    python3 benchmarks/peer_wheels.py vllm==0.26.0 --present-file present.txt --out .peer --part-mib 56 \
+        --skip pynvvideocodec torchcodec tilelang tokenspeed-mla --pin apache-tvm-ffi==0.1.15.post2 --add pycountry
 
-(vLLM 0.26.0 on 2026-12-03: 88 wheels, 658 MiB; with that --skip list 82 wheels, 445 MiB, 10 parts of
-48 MiB. What is skipped must never be imported by the benchmark's server: video decoders, and kernels
-for models other than Llama's. A part and the repository's own files travel together under the 64 MiB
-limit of one call, hence 48 MiB parts.)
+(vLLM 0.26.0 on 2026-12-03: 88 wheels, 658 MiB; with that --skip list 83 wheels, 454 MiB, 9 parts of
+56 MiB. What is skipped must never be imported by the benchmark's server: video decoders, and kernels
+for models other than Llama's. A part and the repository's own files (~7 MiB) travel together under the
+64 MiB limit of one call. The pin: vLLM 0.26.0 pins apache-tvm-ffi==0.1.10 while the xgrammar it then
+gets (0.2.9) needs >=0.1.11 and fails to import with 0.1.10; with 0.1.15.post2 vLLM started and served on
+the H200 on 2026-12-03. Extras are not followed; vLLM's server imports one that mistral_common asks for,
+pydantic-extra-types[pycountry], hence --add pycountry.)
 
 `.peer` is a folder git ignores (`echo /.peer/ >> .git/info/exclude`). Then one GPU-machine call per part,
 while the machine stays warm (files outside the repo survive between calls only on the same machine):
@@ -70,7 +73,8 @@ def download(requirement: str, folder: Path) -> Path:
 
 
 def requirements(wheel: Path) -> list[str]:
-    """The Requires-Dist lines of a wheel that apply on the GPU machine (no extras)."""
+    """The Requires-Dist lines of a wheel that apply on the GPU machine (no extras: following them all takes
+    vLLM 0.26.0 from 445 to 666 MiB, fastapi[standard] and a CUDA compiler among them; see --add)."""
     from packaging.requirements import Requirement
 
     with zipfile.ZipFile(wheel) as archive:
@@ -86,16 +90,18 @@ def requirements(wheel: Path) -> list[str]:
     return wanted
 
 
-def resolve(root: str, present: set[str], folder: Path) -> list[Path]:
-    """Every wheel `root` needs beyond `present`, breadth first, one version per name (the first met)."""
-    seen, queue, wheels = set(present), [root], []
+def resolve(roots: list[str], present: set[str], folder: Path, pins: dict[str, str] | None = None) -> list[Path]:
+    """Every wheel the roots need beyond `present`, breadth first, one version per name: the first met, or
+    the pin given for that name (where the peer's own pins contradict each other, see --pin)."""
+    pins = pins or {}
+    seen, queue, wheels = set(present), list(roots), []
     while queue:
         requirement = queue.pop(0)
         name = requirement_name(requirement)
         if name in seen:
             continue
         seen.add(name)
-        wheel = download(requirement, folder)
+        wheel = download(pins.get(name, requirement), folder)
         wheels.append(wheel)
         print(f"  {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB)", flush=True)
         queue.extend(requirements(wheel))
@@ -135,6 +141,10 @@ def main(argv=None) -> int:
                         help="names of the packages the GPU machine holds, separated by commas or newlines")
     parser.add_argument("--skip", nargs="*", default=[],
                         help="packages left out although required (e.g. video decoders a text benchmark never imports)")
+    parser.add_argument("--add", nargs="*", default=[], metavar="REQUIREMENT",
+                        help="more to take along (and what they need): what an extra brings that the peer imports")
+    parser.add_argument("--pin", nargs="*", default=[], metavar="NAME==VERSION",
+                        help="the version to take for a name, whatever the requirements met say")
     parser.add_argument("--out", type=Path, default=Path(".peer"))
     parser.add_argument("--part-mib", type=int, default=48)
     args = parser.parse_args(argv)
@@ -144,7 +154,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.out} is not empty: remove it first")
     downloads = args.out / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    wheels = resolve(args.requirement, present, downloads)
+    pins = {requirement_name(pin): pin for pin in args.pin}
+    wheels = resolve([args.requirement, *args.add], present, downloads, pins)
     parts = pack(wheels, args.out, args.part_mib << 20)
     total = sum(w.stat().st_size for w in wheels) / 2**20
     print(f"{len(wheels)} wheels, {total:.0f} MiB, in {parts} parts under {args.out} "

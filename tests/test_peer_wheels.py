@@ -48,3 +48,23 @@ def test_requirements_keep_what_applies_on_the_gpu_machine(tmp_path):
                                               'uvloop; platform_system == "Linux"', 'rich; extra == "ui"'])
     with benchmark_module("peer_wheels") as peer:
         assert peer.requirements(wheel) == ["numpy>=1.0", "uvloop"]
+
+
+
+def test_added_roots_come_along_and_a_pin_replaces_the_version_met(tmp_path, monkeypatch):
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    metadata = {"root": ["ffi==1.0", "late", 'rich; extra == "ui"'], "late": ["ffi>=2"], "ffi": [],
+                "country": ["late"]}
+    asked = []
+
+    def fake_download(requirement, into):
+        asked.append(requirement)
+        name = requirement.split("=")[0].split(">")[0]
+        return fake_wheel(into, name, 256, metadata[name])
+
+    with benchmark_module("peer_wheels") as peer:
+        monkeypatch.setattr(peer, "download", fake_download)
+        wheels = peer.resolve(["root", "country"], set(), folder, {"ffi": "ffi==2.5"})
+    assert [w.name.split("-")[0] for w in wheels] == ["root", "country", "ffi", "late"]
+    assert asked == ["root", "country", "ffi==2.5", "late"]            # each name once; no extra followed
