@@ -216,6 +216,9 @@ def test_a_cell_dearer_than_more_work_is_timed_again_and_keeps_its_lowest_time()
 
     assert retime_outliers(grid, time_cell) == [(0, 2)]
     assert grid[0] == [5.0, 14.0, 30.0, 74.0] and asked == [(0, 2)]
+    chain = [[90.0, 80.0, 10.0]]                          # the dearer neighbour is settled first
+    assert retime_outliers(chain, lambda row, column: 8.0) == [(0, 1), (0, 0)]
+    assert chain == [[8.0, 8.0, 10.0]]
     stuck = [[50.0, 10.0], [60.0, 70.0]]                 # still dear when timed again: twice, then kept
     assert retime_outliers(stuck, lambda row, column: 45.0) == [(0, 0), (0, 0)]
     assert stuck[0][0] == 45.0
