@@ -140,6 +140,8 @@ def run(cases: list[Case], workload: Workload, args: argparse.Namespace) -> dict
             print(f"== {case.name} failed: {error!r}", flush=True)
             result = {"error": repr(error)}
         results[case.name] = {key: value for key, value in result.items() if not isinstance(value, list)}
+        summary = {"label": getattr(args, "label", ""), "cases": results}
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))   # after each case: a cut run keeps it
     return results
 
 
@@ -165,7 +167,6 @@ def main() -> None:
                         tuple(args.goodput))
     args.out.mkdir(parents=True, exist_ok=True)
     results = run(cases, workload, args)
-    (args.out / "summary.json").write_text(json.dumps({"label": args.label, "cases": results}, indent=1))
     print(f"\n{args.label}: case | " + " | ".join(ROW))
     for name, result in results.items():
         print(summary_row(name, result))

@@ -4,6 +4,7 @@ prompts for both servers, different prompts for different cases, and a failed ca
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import types
 
@@ -86,3 +87,4 @@ def test_a_failed_case_keeps_the_others_and_lists_are_dropped(monkeypatch, tmp_p
     assert results["c16-default"] == {"error": "RuntimeError('connection refused')"}
     assert results["u4-default"] == {"output_throughput": 100.0, "completed": 4}
     assert [a.result_filename for a in seen] == ["c1-greedy.json", "c16-default.json", "u4-default.json"]
+    assert list(json.loads((tmp_path / "summary.json").read_text())["cases"]) == list(results)
