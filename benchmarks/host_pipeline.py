@@ -167,11 +167,9 @@ def write_tokenizer(directory: Path, vocab_size: int = VOCAB) -> Path:
 
 def load_costs(path: Path):
     """A step-cost table from its JSON (as schedule_sim reads it)."""
-    from flare.engine.step_cost import StepCosts
+    from flare.engine.step_cost import step_costs_from_json
 
-    data = json.loads(Path(path).read_text())
-    return StepCosts(data["device"], data["decode_context"], tuple(data["decode_batches"]),
-                     tuple(data["prompt_tokens"]), tuple(tuple(row) for row in data["milliseconds"]))
+    return step_costs_from_json(Path(path).read_text())
 
 
 def engine_config(costs, concurrency: int, options: dict = ENGINE):

@@ -40,7 +40,7 @@ from flare.engine.policy import SchedulerPolicy  # noqa: E402
 from flare.engine.request import EngineRequest  # noqa: E402
 from flare.engine.sampling_params import SamplingParams  # noqa: E402
 from flare.engine.step import DoneStep, StepPlan, StepResult  # noqa: E402
-from flare.engine.step_cost import StepCosts  # noqa: E402
+from flare.engine.step_cost import StepCosts, step_costs_from_json  # noqa: E402
 
 TOKEN = 5            # what the runner answers; no end-of-sequence id is set, so requests run to OUT
 
@@ -78,9 +78,10 @@ class PricedRunner:
         pass
 
     def launch(self, plan: StepPlan) -> DoneStep:
-        decodes = sum(1 for row in plan.rows if row.num_new_tokens == 1)
+        decoding = [row for row in plan.rows if row.num_new_tokens == 1]
         prompt = sum(row.num_new_tokens for row in plan.rows if row.num_new_tokens > 1)
-        self.clock.now += self.costs.step_ms(decodes, prompt) / 1000.0
+        context = sum(row.num_computed_tokens + 1 for row in decoding) / len(decoding) if decoding else 0.0
+        self.clock.now += self.costs.step_ms(len(decoding), prompt, context) / 1000.0
         self.num_steps += 1
         for row in plan.rows:
             if row.samples:
@@ -91,10 +92,10 @@ class PricedRunner:
 class Floor256Policy(SchedulerPolicy):
     """balanced as at 13b93ce: the table's count beside decodes, never below min(chunk, 256)."""
 
-    def prefill_cap(self, step_budget: int, prefill_chunk: int, num_decoding: int) -> int:
+    def prefill_cap(self, step_budget: int, prefill_chunk: int, num_decoding: int, mean_context: float = 0.0) -> int:
         if self.name == "throughput" or num_decoding == 0:
             return step_budget
-        fits = self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms)
+        fits = self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms, mean_context)
         return min(step_budget, max(fits, min(prefill_chunk, 256)))
 
 
@@ -168,9 +169,7 @@ def percentiles(seconds: list[float]) -> dict:
 
 
 def load_costs(path: str) -> StepCosts:
-    data = json.loads(Path(path).read_text())
-    return StepCosts(data["device"], data["decode_context"], tuple(data["decode_batches"]),
-                     tuple(data["prompt_tokens"]), tuple(tuple(row) for row in data["milliseconds"]))
+    return step_costs_from_json(Path(path).read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

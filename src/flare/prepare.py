@@ -330,7 +330,8 @@ def step_cost_table(costs) -> StepCostTable:
     """The plan's record of the step costs measured at export (`flare.engine.step_cost.StepCosts`)."""
     return StepCostTable(device=costs.device, decode_context=costs.decode_context,
                          decode_batches=costs.decode_batches, prompt_tokens=costs.prompt_tokens,
-                         milliseconds=costs.milliseconds)
+                         milliseconds=costs.milliseconds, long_context=costs.long_context,
+                         long_decode_ms=costs.long_decode_ms)
 
 
 def _graph_catalog(plan: Plan, prepared) -> GraphCatalog:

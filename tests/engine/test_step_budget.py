@@ -114,27 +114,57 @@ def test_a_table_must_be_a_rising_grid_of_positive_times():
     assert noisy.step_ms(1, 64) == 5.0 and noisy.prompt_tokens_within(1, 5.5) == 96
 
 
+LONG = StepCosts("GPU", 1024, (1, 16), (0, 512, 1024), ((5.0, 10.0, 15.0), (8.0, 14.0, 20.0)),
+                 long_context=4096, long_decode_ms=(5.3, 11.0))
+
+
+def test_decodes_at_longer_contexts_cost_what_the_long_measurement_adds():
+    """Decode attention reads every context token: past decode_context a step costs more, linearly
+    through the decodes measured at long_context (interpolated between batches, like the grid)."""
+    assert LONG.context_ms(1, 1024) == 0.0 and LONG.context_ms(1, 500) == 0.0
+    assert LONG.context_ms(1, 4096) == pytest.approx(0.3)
+    assert LONG.context_ms(16, 2560) == pytest.approx(1.5)                # half way: half of 11 - 8
+    assert LONG.context_ms(16, 7168) == pytest.approx(6.0)                # beyond: the same slope on
+    assert LONG.step_ms(16, 512, 4096) == pytest.approx(17.0)
+    assert COSTS.context_ms(16, 100_000) == 0.0                           # no long measurement: as before
+    assert LONG.prompt_tokens_within(16, 17.0) == 768
+    assert LONG.prompt_tokens_within(16, 17.0, 2560) == 640               # 1.5 ms of the bound gone to context
+    assert LONG.prompt_tokens_within(16, 14.0, 2560) == 0                 # no prompt step keeps it any more
+    policy = SchedulerPolicy().with_step_costs(LONG, 16, 17.0)
+    assert policy.prefill_cap(1024, 1024, 16) == 768
+    assert policy.prefill_cap(1024, 1024, 16, mean_context=2560) == 640
+
+
+def test_a_long_measurement_must_be_longer_and_one_per_batch():
+    grid = ((5.0, 10.0, 15.0), (8.0, 14.0, 20.0))
+    for context, times in [(1024, (5.3, 11.0)), (4096, (5.3,)), (0, (5.3, 11.0)), (4096, (5.3, math.inf))]:
+        with pytest.raises(ValueError, match="step costs"):
+            StepCosts("GPU", 1024, (1, 16), (0, 512, 1024), grid, long_context=context, long_decode_ms=times)
+
+
 # ---- through the scheduler -----------------------------------------------------------------------------
 
 SMALL_COSTS = StepCosts("GPU", 1024, (1, 4), (0, 256, 512, 1024), ((5.0, 6.0, 8.0, 12.0), (6.0, 7.0, 9.0, 13.0)))
 NO_TERMINAL = dict(terminal_value=0, terminal_age_price=0)      # terminal allowances would add to the cap
 
 
-def steps_beside_one_decoder(policy: SchedulerPolicy, prompts: int) -> list[int]:
-    """The prompt tokens of each step that carried one decoding request and prompt work: a decoder runs,
-    then `prompts` 1,500-token prompts arrive."""
+def steps_beside_one_decoder(policy: SchedulerPolicy, prompts: int, decoder_prompt: int = 3) -> list[int]:
+    """The prompt tokens of each step that carried one decoding request and prompt work: a decoder (its
+    prompt `decoder_prompt` tokens) runs, then `prompts` 1,500-token prompts arrive."""
     config = EngineConfig(max_concurrency=4, page_size=16, num_pages=512, max_model_len=2048, prefill_chunk=512,
                           max_num_batched_tokens=1028, scheduler_policy=policy, one_step_ahead=False)
     core = EngineCore(config, FakeRunner(config.page_size))
-    add(core, "decoder", prompt(3), max_tokens=60)
+    add(core, "decoder", prompt(decoder_prompt), max_tokens=60)
     core.step()
+    while core.runner.steps[-1].rows[0].num_new_tokens > 1:         # the decoder's prompt, chunk by chunk
+        core.step()
     long_prompts = {f"long{i}": prompt(1500, i + 1) for i in range(prompts)}
     for request_id, ids in long_prompts.items():
         add(core, request_id, ids, max_tokens=2)
     outputs = run_to_end(core)
     for request_id, ids in long_prompts.items():
         assert outputs[request_id] == fake_continuation(ids, 2)
-    lengths = {"decoder": 3, **{request_id: 1500 for request_id in long_prompts}}
+    lengths = {"decoder": decoder_prompt, **{request_id: 1500 for request_id in long_prompts}}
     carried = []
     for step in core.runner.steps:
         decodes = sum(1 for r in step.rows if r.num_computed_tokens >= lengths[r.request_id])
@@ -154,6 +184,19 @@ def test_the_scheduler_carries_the_tables_prompt_tokens_and_without_a_table_one_
     wide = SchedulerPolicy(**NO_TERMINAL).with_step_costs(SMALL_COSTS, concurrency=4, max_step_ms=11.0)
     assert steps_beside_one_decoder(wide, prompts=2)[:2] == [896, 896]
     assert steps_beside_one_decoder(SchedulerPolicy(**NO_TERMINAL), prompts=2)[:2] == [512, 512]
+
+
+def test_a_decoder_at_a_longer_context_leaves_less_of_the_bound_to_prompt_work():
+    """The scheduler prices the decoding rows at their mean context: 0.5 ms a 1,000 tokens past the table's
+    64 leaves a 7 ms bound ~6.5 ms beside a decoder at ~1,070 tokens, ~320 prompt tokens instead of 384,
+    fewer as its context grows."""
+    long = StepCosts("GPU", 64, SMALL_COSTS.decode_batches, SMALL_COSTS.prompt_tokens, SMALL_COSTS.milliseconds,
+                     long_context=1064, long_decode_ms=(5.5, 6.5))
+    bounded = SchedulerPolicy(**NO_TERMINAL).with_step_costs(long, concurrency=4, max_step_ms=7.0)
+    assert steps_beside_one_decoder(bounded, prompts=1, decoder_prompt=3)[:3] == [384] * 3
+    carried = steps_beside_one_decoder(bounded, prompts=1, decoder_prompt=1064)
+    assert all(310 <= tokens <= 320 for tokens in carried[:4]), carried
+    assert carried[:4] == sorted(carried[:4], reverse=True)
 
 
 def test_the_engine_reports_its_cadence_bound():
@@ -184,17 +227,21 @@ def test_steps_are_timed_on_the_grid_through_the_runner_and_its_slots_freed(stor
     shapes = []
     launch = runner.launch
     monkeypatch.setattr(runner, "launch", lambda plan: (shapes.append(
-        tuple((row.num_new_tokens, row.samples) for row in plan.rows)), launch(plan))[1])
+        tuple((row.num_computed_tokens, row.num_new_tokens, row.samples) for row in plan.rows)), launch(plan))[1])
     costs = measure_step_costs(runner, "cpu", decode_context=64, repeats=2, warm_ups=1)
     assert (costs.device, costs.decode_context) == ("cpu", 64)
     assert costs.decode_batches == (1, 3) and costs.prompt_tokens == (0, 64, 128)
     assert all(ms > 0 for row in costs.milliseconds for ms in row)
-    assert shapes[0] == ((1, True),) * 3                               # every slot seated once
-    grid, retimes = shapes[1:1 + 6 * 3], shapes[1 + 6 * 3:]       # 2 repeats after 1 warm-up a cell
+    # the decodes alone again at the longest context seated (two chunks): what longer contexts add
+    assert costs.long_context == 128 and len(costs.long_decode_ms) == 2 and min(costs.long_decode_ms) > 0
+    assert shapes[0] == ((127, 1, True),) * 3                            # every slot seated once
+    grid = [shape for shape in shapes[1:] if shape[0][0] == 63]         # 2 repeats after 1 warm-up a cell
+    longer = [shape for shape in shapes[1:] if shape[0][0] == 127]
+    assert len(grid) >= 6 * 3 and len(longer) >= 2 * 3 and len(grid) + len(longer) == len(shapes) - 1
     # the largest batch's prompt columns: 2 decodes (a prompt needs a slot of its own) and the prompt after them
-    assert grid[-1] == ((1, True), (1, True), (128, False))
-    assert grid[0] == ((1, True),)
-    assert len(retimes) % 2 == 0 and set(retimes) <= set(grid)       # timing noise: cells timed again, 2 repeats
+    assert grid[6 * 3 - 1] == ((63, 1, True), (63, 1, True), (0, 128, False))
+    assert grid[0] == ((63, 1, True),) and longer[:3] == [((127, 1, True),)] * 3
+    assert longer[3:6] == [((127, 1, True),) * 3] * 3
     assert all(state is None for state in runner.slots.requests)
 
 

@@ -4,6 +4,7 @@ startup report, stats and metrics saying which."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,6 +121,15 @@ def test_the_plan_records_the_table_and_a_package_without_it_reads_as_none():
     broken = text.replace('"prompt_tokens":[0,512,1024]', '"prompt_tokens":[512,0,1024]')
     with pytest.raises(Exception, match="prompt_tokens"):
         Manifest.from_json(broken)
+    assert "long_context" not in text                               # a table timed at one context: as before
+    longer = dataclasses.replace(COSTS, long_context=4096, long_decode_ms=(5.4, 9.1))
+    table = step_cost_table(longer)
+    assert '"long_context":4096' in msgspec.json.encode(table).decode()
+    plan = msgspec.structs.replace(old.plan, step_costs=table)
+    assert step_costs_of(Manifest.from_json(msgspec.structs.replace(old, plan=plan).to_json()).plan) == longer
+    with pytest.raises(ValueError, match="long_context"):
+        StepCostTable(device="GPU", decode_context=1024, decode_batches=(1, 16), prompt_tokens=(0, 512, 1024),
+                      milliseconds=((5.0, 10.0, 15.0), (8.0, 14.0, 20.0)), long_context=4096, long_decode_ms=(5.4,))
 
 
 def test_the_startup_report_says_the_bound_and_the_metrics_show_it(on_gpu):

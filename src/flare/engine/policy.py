@@ -105,24 +105,26 @@ class SchedulerPolicy:
             max_step_ms = round(DEFAULT_CADENCE_FACTOR * costs.step_ms(concurrency, 0), 1)
         return replace(self, max_step_ms=check_max_step_ms(max_step_ms, origin), step_costs=costs)
 
-    def prefill_cap(self, step_budget: int, prefill_chunk: int, num_decoding: int) -> int:
+    def prefill_cap(self, step_budget: int, prefill_chunk: int, num_decoding: int, mean_context: float = 0.0) -> int:
         """Most prompt tokens (all requests together) one step may carry beside `num_decoding` decoding
-        requests, before terminal allowances."""
+        requests (at `mean_context` tokens of context on average; 0: as measured), before terminal
+        allowances."""
         if self.name == "throughput" or num_decoding == 0:
             return step_budget
         chunk = min(prefill_chunk, step_budget)
         if self.step_costs is None:     # no costs: one chunk
             return chunk
-        fits = min(step_budget, self.step_costs.prompt_tokens_within(num_decoding, self.max_step_ms))
-        measured_chunk = min(chunk, self.step_costs.prompt_tokens[-1])
-        if fits == 0 or (fits < chunk and self._prompt_rate(num_decoding, fits)
-                         < MIN_PROMPT_RATE_SHARE * self._prompt_rate(num_decoding, measured_chunk)):
+        costs = self.step_costs
+        fits = min(step_budget, costs.prompt_tokens_within(num_decoding, self.max_step_ms, mean_context))
+        measured_chunk = min(chunk, costs.prompt_tokens[-1])
+        if fits == 0 or (fits < chunk and self._prompt_rate(num_decoding, fits, mean_context)
+                         < MIN_PROMPT_RATE_SHARE * self._prompt_rate(num_decoding, measured_chunk, mean_context)):
             return chunk                # no step with prompt work keeps the bound, or only at a fraction of the rate
         return fits
 
-    def _prompt_rate(self, num_decoding: int, prompt_tokens: int) -> float:
+    def _prompt_rate(self, num_decoding: int, prompt_tokens: int, mean_context: float) -> float:
         """Prompt tokens per ms of a measured step that carries them beside `num_decoding` decodes."""
-        return prompt_tokens / self.step_costs.step_ms(num_decoding, prompt_tokens)
+        return prompt_tokens / self.step_costs.step_ms(num_decoding, prompt_tokens, mean_context)
 
     def retirement_value(self, terminal_age_s: float | None) -> float:
         """What retiring a request is worth now, in prompt tokens; 0 for a request that is not terminal."""

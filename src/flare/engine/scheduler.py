@@ -87,6 +87,13 @@ class _StepPlan:
         if prefill:
             self.prefill_left = max(0, self.prefill_left - chunk.num_new_tokens)
 
+    def mean_decode_context(self) -> float:
+        """The mean context (cached tokens and the new ones) of the decoding rows planned so far; 0 if none."""
+        rows = [chunk for chunk, prefill in self.chunks.values() if not prefill]
+        if not rows:
+            return 0.0
+        return sum(chunk.start + chunk.num_new_tokens for chunk in rows) / len(rows)
+
     def drop(self, request_id: str) -> None:
         """Forget a chunk of a request preempted later in the planning; its tokens go back to the budget."""
         chunk, prefill = self.chunks.pop(request_id, (None, False))
@@ -130,7 +137,8 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and step.budget > 0:
                 self._schedule_decode(request, step, now)
         step.prefill_left = self.policy.prefill_cap(self.config.max_num_batched_tokens, self.config.prefill_chunk,
-                                                    num_decoding=len(step.chunks))
+                                                    num_decoding=len(step.chunks),
+                                                    mean_context=step.mean_decode_context())
         prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
         prefilling.sort(key=lambda r: -self._retirement_value(r, now))      # stable: admission order among equals
         for request in prefilling:

@@ -47,8 +47,19 @@ class StepCosts:
     decode_batches: tuple[int, ...]           # rising, from 1
     prompt_tokens: tuple[int, ...]            # rising, from 0
     milliseconds: tuple[tuple[float, ...], ...]
+    long_context: int = 0                     # 0: decodes timed at decode_context only
+    long_decode_ms: tuple[float, ...] = ()    # decode_batches[i] decodes alone, each at long_context tokens
 
     def __post_init__(self) -> None:
+        self._check_grid()
+        if self.long_context or self.long_decode_ms:
+            if self.long_context <= self.decode_context or len(self.long_decode_ms) != len(self.decode_batches):
+                raise ValueError(f"step costs: long_context {self.long_context} must exceed decode_context "
+                                 f"{self.decode_context}, with one long_decode_ms per decode batch")
+            if not all(math.isfinite(ms) and ms > 0 for ms in self.long_decode_ms):
+                raise ValueError("step costs: every long_decode_ms must be a finite, positive number")
+
+    def _check_grid(self) -> None:
         batches, tokens = self.decode_batches, self.prompt_tokens
         if not batches or batches[0] < 1 or list(batches) != sorted(set(batches)):
             raise ValueError(f"step costs: decode_batches {list(batches)} must be distinct, rising and from 1")
@@ -59,23 +70,39 @@ class StepCosts:
         if not all(math.isfinite(ms) and ms > 0 for row in self.milliseconds for ms in row):
             raise ValueError("step costs: every time must be a finite, positive number of milliseconds")
 
-    def step_ms(self, num_decodes: int, num_prompt_tokens: int) -> float:
-        """The estimated time of a step with these decodes and prompt tokens."""
+    def step_ms(self, num_decodes: int, num_prompt_tokens: int, mean_context: float = 0.0) -> float:
+        """The estimated time of a step with these decodes (at `mean_context` tokens of context on average;
+        0: the measured decode_context) and prompt tokens."""
         row = self._row(num_decodes)
         tokens = self.prompt_tokens
+        extra = self.context_ms(num_decodes, mean_context)
         if num_prompt_tokens <= 0 or len(tokens) == 1:     # decodes alone, or prompt work not measured
-            return row[0]
+            return row[0] + extra
         j = max(1, min(bisect.bisect_right(tokens, num_prompt_tokens) - 1, len(tokens) - 2))
         if j + 1 >= len(tokens) or num_prompt_tokens <= tokens[j]:
-            return row[j]                           # at or below the first prompt column: its price
+            return row[j] + extra                   # at or below the first prompt column: its price
         share = min(1.0, (num_prompt_tokens - tokens[j]) / (tokens[j + 1] - tokens[j]))
-        return row[j] + share * (row[j + 1] - row[j])
+        return row[j] + share * (row[j + 1] - row[j]) + extra
 
-    def prompt_tokens_within(self, num_decodes: int, bound_ms: float) -> int:
-        """The most prompt tokens a step with `num_decodes` decoding requests may carry and still take no
-        longer than `bound_ms`: 0 when no measured step with prompt work fits (prompt work costs at least
-        the first prompt column's time), at most the last measured column."""
+    def context_ms(self, num_decodes: int, mean_context: float) -> float:
+        """What `num_decodes` decoding requests at `mean_context` tokens of context on average add to a step
+        over the same requests at decode_context: linear in the context through the decode step measured
+        at decode_context and at long_context (their attention reads every token of it; an H200 at 256
+        requests of 1,000-2,000 tokens ran ~4 ms a step above a table timed at 1,024). Nothing at or below
+        decode_context, or without a long measurement."""
+        if not self.long_context or mean_context <= self.decode_context:
+            return 0.0
+        longer = _interpolated(self.decode_batches, self.long_decode_ms, num_decodes)
+        per_token = max(0.0, longer - self._row(num_decodes)[0]) / (self.long_context - self.decode_context)
+        return per_token * (mean_context - self.decode_context)
+
+    def prompt_tokens_within(self, num_decodes: int, bound_ms: float, mean_context: float = 0.0) -> int:
+        """The most prompt tokens a step with `num_decodes` decoding requests (at `mean_context` tokens of
+        context on average) may carry and still take no longer than `bound_ms`: 0 when no measured step
+        with prompt work fits (prompt work costs at least the first prompt column's time), at most the
+        last measured column."""
         row, tokens = self._row(num_decodes), self.prompt_tokens
+        bound_ms -= self.context_ms(num_decodes, mean_context)
         within = bisect.bisect_right(row, bound_ms)           # rows are non-decreasing
         if within <= 1:
             return 0
@@ -87,16 +114,29 @@ class StepCosts:
 
     def _row(self, num_decodes: int) -> list[float]:
         """The times at each prompt column for `num_decodes`, interpolated between measured batches."""
-        batches = self.decode_batches
-        i = bisect.bisect_right(batches, num_decodes) - 1
-        if i < 0:
-            values = self.milliseconds[0]
-        elif i >= len(batches) - 1:
-            values = self.milliseconds[-1]
-        else:
-            share = (num_decodes - batches[i]) / (batches[i + 1] - batches[i])
-            values = [a + share * (b - a) for a, b in zip(self.milliseconds[i], self.milliseconds[i + 1])]
-        return _running_max(values)
+        columns = zip(*self.milliseconds)
+        return _running_max([_interpolated(self.decode_batches, column, num_decodes) for column in columns])
+
+
+def _interpolated(batches: tuple[int, ...], values, num_decodes: int) -> float:
+    """values[i] belongs to batches[i]: linear between measured batches, the nearest beyond them."""
+    i = bisect.bisect_right(batches, num_decodes) - 1
+    if i < 0:
+        return values[0]
+    if i >= len(batches) - 1:
+        return values[-1]
+    share = (num_decodes - batches[i]) / (batches[i + 1] - batches[i])
+    return values[i] + share * (values[i + 1] - values[i])
+
+
+def step_costs_from_json(text: str) -> StepCosts:
+    """A step-cost table from the JSON of a plan's record (`serve_gpu_run.sh`'s step_costs.json)."""
+    import json
+
+    data = json.loads(text)
+    return StepCosts(data["device"], data["decode_context"], tuple(data["decode_batches"]),
+                     tuple(data["prompt_tokens"]), tuple(tuple(row) for row in data["milliseconds"]),
+                     data.get("long_context", 0), tuple(data.get("long_decode_ms", ())))
 
 
 def _running_max(values) -> list[float]:
@@ -131,24 +171,34 @@ def prompt_token_columns(prefill_chunk: int) -> tuple[int, ...]:
 def measure_step_costs(runner, device_name: str, *, decode_context: int = DECODE_CONTEXT,
                        repeats: int = 5, warm_ups: int = 2) -> StepCosts:
     """Time steps of `runner` (a `flare.engine.runner.ModelRunner`) on the grid of `decode_batch_rows` ×
-    `prompt_token_columns` for its config; the median of `repeats` after `warm_ups`. Its slots are freed
-    before and after. The runner's config must hold `measurement_model_len` tokens per request."""
+    `prompt_token_columns` for its config, and each batch's decodes alone at the longest context the
+    measurement seats (two prefill chunks: `long_decode_ms`); the median of `repeats` after `warm_ups`. Its
+    slots are freed before and after. The runner's config must hold `measurement_model_len` tokens per
+    request."""
     config = runner.config
     batches = decode_batch_rows(config.max_concurrency)
     tokens = prompt_token_columns(config.prefill_chunk)
+    long_context = max(decode_context, tokens[-1])          # what every slot holds: decodes there too
     runner.reset()
-    _seat_every_slot(runner, max(decode_context, tokens[-1]))
+    _seat_every_slot(runner, long_context)
 
     def time_cell(row: int, column: int, warm: int = warm_ups) -> float:
         return _median_ms(runner, _step(config, batches[row], tokens[column], decode_context), repeats, warm)
 
+    def time_long(row: int, _column: int = 0, warm: int = warm_ups) -> float:
+        return _median_ms(runner, _step(config, batches[row], 0, long_context), repeats, warm)
+
     try:
         grid = [[time_cell(row, column) for column in range(len(tokens))] for row in range(len(batches))]
         retime_outliers(grid, lambda row, column: time_cell(row, column, 0))
+        longer = [[time_long(row)] for row in range(len(batches))] if long_context > decode_context else []
+        retime_outliers(longer, lambda row, column: time_long(row, column, 0))
     finally:
         runner.reset()
     milliseconds = tuple(tuple(round(ms, 3) for ms in row) for row in grid)
-    return StepCosts(device_name, decode_context, batches, tokens, milliseconds)
+    long_decode_ms = tuple(round(row[0], 3) for row in longer)
+    return StepCosts(device_name, decode_context, batches, tokens, milliseconds,
+                     long_context if longer else 0, long_decode_ms)
 
 
 OUTLIER_RATIO = 1.2          # a cell this much dearer than a cell of more work is timed again

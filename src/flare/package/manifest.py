@@ -107,13 +107,16 @@ Milliseconds = Annotated[float, msgspec.Meta(gt=0)]
 class StepCostTable(_Record):
     """Engine steps timed at export on the device (`flare.engine.step_cost`): milliseconds[i][j] is one
     step with decode_batches[i] decoding requests (each at decode_context tokens of context) and
-    prompt_tokens[j] prompt tokens beside them. The `balanced` policy sizes prompt work from it."""
+    prompt_tokens[j] prompt tokens beside them; long_decode_ms[i] the decodes alone at long_context. The
+    `balanced` policy sizes prompt work from it."""
 
     device: str                             # the GPU it was measured on, as CUDA names it
     decode_context: Positive
     decode_batches: tuple[Positive, ...]
     prompt_tokens: tuple[Count, ...]
     milliseconds: tuple[tuple[Milliseconds, ...], ...]
+    long_context: Count = 0                 # 0 (and older packages): decodes timed at decode_context only
+    long_decode_ms: tuple[Milliseconds, ...] = ()   # decode_batches[i] decodes alone at long_context each
 
     def __post_init__(self) -> None:
         if len(self.milliseconds) != len(self.decode_batches) or any(
@@ -126,6 +129,10 @@ class StepCostTable(_Record):
                 raise ValueError(f"step_costs.{name} {values} must be distinct and rising")
         if self.prompt_tokens[0] != 0:
             raise ValueError("step_costs.prompt_tokens must start at 0 (decodes alone)")
+        if (self.long_context or self.long_decode_ms) and (
+                self.long_context <= self.decode_context or len(self.long_decode_ms) != len(self.decode_batches)):
+            raise ValueError(f"step_costs.long_context {self.long_context} must exceed decode_context "
+                             f"{self.decode_context}, with one long_decode_ms per decode batch")
 
 
 class SpeculationProgram(_Record):

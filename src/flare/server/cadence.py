@@ -31,7 +31,7 @@ def step_costs_of(plan: Any) -> StepCosts | None:
     if table is None:
         return None
     return StepCosts(table.device, table.decode_context, table.decode_batches, table.prompt_tokens,
-                     table.milliseconds)
+                     table.milliseconds, table.long_context, table.long_decode_ms)
 
 
 def serving_cadence(policy: SchedulerPolicy | None, costs: StepCosts | None, concurrency: int, prefill_chunk: int,
