@@ -322,7 +322,9 @@ def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: Phase
         phase.done(f"{len(costs.decode_batches) * len(costs.prompt_tokens)} step shapes timed in "
                    f"{prepared.step_cost_seconds:.1f} s on {costs.device}: decode batches "
                    f"{costs.decode_batches[0]}-{costs.decode_batches[-1]} beside 0-{costs.prompt_tokens[-1]:,} "
-                   f"prompt tokens, {costs.milliseconds[0][0]:.1f}-{costs.milliseconds[-1][-1]:.1f} ms")
+                   f"prompt tokens, {costs.milliseconds[0][0]:.1f}-{costs.milliseconds[-1][-1]:.1f} ms"
+                   + (f"; decodes alone at {costs.long_context:,} tokens of context {costs.long_decode_ms[0]:.1f}-"
+                      f"{costs.long_decode_ms[-1]:.1f} ms" if costs.long_context else ""))
     return prepared
 
 

@@ -17,7 +17,8 @@ from flare.package.verify import IntegrityError
 from flare.package.reader import open_package, open_unverified
 
 KEY = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDIA H200", "capability": "9.0"}
-STEP_COSTS = StepCosts("NVIDIA H200", 1024, (1, 4), (0, 64, 128), ((4.0, 4.5, 5.0), (4.2, 4.8, 5.5)))
+STEP_COSTS = StepCosts("NVIDIA H200", 1024, (1, 4), (0, 64, 128), ((4.0, 4.5, 5.0), (4.2, 4.8, 5.5)),
+                       long_context=4096, long_decode_ms=(4.9, 6.1))
 
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatc
     assert prepared.captured_sizes == (1, 2, 4, 8) and calls == [3]
     assert "warmed up in 12.0 s" in text and "4 decode batch sizes (1, 2, 4, 8)" in text
     assert ("Measure steps. [ OK ] 6 step shapes timed in 2.5 s on NVIDIA H200: decode batches 1-4 beside 0-128 "
-            "prompt tokens, 4.0-5.5 ms") in text
+            "prompt tokens, 4.0-5.5 ms; decodes alone at 4,096 tokens of context 4.9-6.1 ms") in text
     stream = io.StringIO()
     prepare._prepare_code(None, _plan(compile=False), "cuda", PhaseProgress(stream=stream, styled=False))
     assert "Compile forward. [SKIP] --no-compile: eager layers, warmed up in 12.0 s" in stream.getvalue()
