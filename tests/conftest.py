@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,21 @@ def restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# Threads an engine starts to load a tokenizer (the grammar vocabulary, the server's tokenizer loader)
+# import transformers modules. Left running past their test, they import beside the next test's own
+# transformers imports, and two threads importing its modules at once can leave its lazy module half set up
+# (seen here: "cannot import name 'AutoConfig' from 'transformers'" in the test after an engine's warm-up).
+TOKENIZER_THREADS = ("flare-grammar-vocabulary", "flare-tokenizer")
+
+
+@pytest.fixture(autouse=True)
+def tokenizer_threads_end_with_their_test():
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith(TOKENIZER_THREADS):
+            thread.join(timeout=120)
 
 
 @pytest.fixture(scope="session")
