@@ -140,7 +140,7 @@ def run(cases: list[Case], workload: Workload, args: argparse.Namespace) -> dict
             print(f"== {case.name} failed: {error!r}", flush=True)
             result = {"error": repr(error)}
         results[case.name] = {key: value for key, value in result.items() if not isinstance(value, list)}
-        summary = {"label": getattr(args, "label", ""), "cases": results}
+        summary = {"label": args.label, "cases": results}
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))   # after each case: a cut run keeps it
     return results
 

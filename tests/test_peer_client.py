@@ -80,7 +80,7 @@ def test_a_failed_case_keeps_the_others_and_lists_are_dropped(monkeypatch, tmp_p
                          "vllm.utils.argparse_utils": argparse_utils}.items():
         monkeypatch.setitem(sys.modules, name, module)
     with benchmark_module("peer_client") as peer:
-        args = argparse.Namespace(base_url="http://127.0.0.1:1", model="m", tokenizer="t", out=tmp_path)
+        args = argparse.Namespace(base_url="http://127.0.0.1:1", model="m", tokenizer="t", out=tmp_path, label="x")
         cases = [peer.parse_case("c1:greedy"), peer.parse_case("c16"), peer.parse_case("u4")]
         results = peer.run(cases, peer.Workload(), args)
     assert list(results) == ["c1-greedy", "c16-default", "u4-default"]

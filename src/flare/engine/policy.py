@@ -105,6 +105,11 @@ class SchedulerPolicy:
             max_step_ms = round(DEFAULT_CADENCE_FACTOR * costs.step_ms(concurrency, 0), 1)
         return replace(self, max_step_ms=check_max_step_ms(max_step_ms, origin), step_costs=costs)
 
+    @property
+    def prices_context(self) -> bool:
+        """Whether `prefill_cap` reads the decoding rows' mean context (a table with a long measurement)."""
+        return self.name == "balanced" and self.step_costs is not None and self.step_costs.long_context > 0
+
     def prefill_cap(self, step_budget: int, prefill_chunk: int, num_decoding: int, mean_context: float = 0.0) -> int:
         """Most prompt tokens (all requests together) one step may carry beside `num_decoding` decoding
         requests (at `mean_context` tokens of context on average; 0: as measured), before terminal

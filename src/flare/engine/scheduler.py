@@ -138,7 +138,8 @@ class Scheduler:
                 self._schedule_decode(request, step, now)
         step.prefill_left = self.policy.prefill_cap(self.config.max_num_batched_tokens, self.config.prefill_chunk,
                                                     num_decoding=len(step.chunks),
-                                                    mean_context=step.mean_decode_context())
+                                                    mean_context=step.mean_decode_context()
+                                                    if self.policy.prices_context else 0.0)
         prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
         prefilling.sort(key=lambda r: -self._retirement_value(r, now))      # stable: admission order among equals
         for request in prefilling:

@@ -93,7 +93,8 @@ class StepCosts:
         if not self.long_context or mean_context <= self.decode_context:
             return 0.0
         longer = _interpolated(self.decode_batches, self.long_decode_ms, num_decodes)
-        per_token = max(0.0, longer - self._row(num_decodes)[0]) / (self.long_context - self.decode_context)
+        decodes = _interpolated(self.decode_batches, [row[0] for row in self.milliseconds], num_decodes)
+        per_token = max(0.0, longer - decodes) / (self.long_context - self.decode_context)
         return per_token * (mean_context - self.decode_context)
 
     def prompt_tokens_within(self, num_decodes: int, bound_ms: float, mean_context: float = 0.0) -> int:
@@ -182,23 +183,22 @@ def measure_step_costs(runner, device_name: str, *, decode_context: int = DECODE
     runner.reset()
     _seat_every_slot(runner, long_context)
 
-    def time_cell(row: int, column: int, warm: int = warm_ups) -> float:
-        return _median_ms(runner, _step(config, batches[row], tokens[column], decode_context), repeats, warm)
+    def timed_grid(context: int, prompts: tuple[int, ...]) -> tuple[tuple[float, ...], ...]:
+        """Steps of batches x prompts at `context`, outliers timed again (`retime_outliers`), in ms."""
+        def time_cell(row: int, column: int, warm: int = 0) -> float:
+            return _median_ms(runner, _step(config, batches[row], prompts[column], context), repeats, warm)
 
-    def time_long(row: int, _column: int = 0, warm: int = warm_ups) -> float:
-        return _median_ms(runner, _step(config, batches[row], 0, long_context), repeats, warm)
+        grid = [[time_cell(row, column, warm_ups) for column in range(len(prompts))] for row in range(len(batches))]
+        retime_outliers(grid, time_cell)
+        return tuple(tuple(round(ms, 3) for ms in row) for row in grid)
 
     try:
-        grid = [[time_cell(row, column) for column in range(len(tokens))] for row in range(len(batches))]
-        retime_outliers(grid, lambda row, column: time_cell(row, column, 0))
-        longer = [[time_long(row)] for row in range(len(batches))] if long_context > decode_context else []
-        retime_outliers(longer, lambda row, column: time_long(row, column, 0))
+        milliseconds = timed_grid(decode_context, tokens)
+        longer = timed_grid(long_context, (0,)) if long_context > decode_context else ()
     finally:
         runner.reset()
-    milliseconds = tuple(tuple(round(ms, 3) for ms in row) for row in grid)
-    long_decode_ms = tuple(round(row[0], 3) for row in longer)
     return StepCosts(device_name, decode_context, batches, tokens, milliseconds,
-                     long_context if longer else 0, long_decode_ms)
+                     long_context if longer else 0, tuple(row[0] for row in longer))
 
 
 OUTLIER_RATIO = 1.2          # a cell this much dearer than a cell of more work is timed again
