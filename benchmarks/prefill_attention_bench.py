@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Paged prefill/extend attention on a GPU: the Hopper kernel (flash_prefill) against the previous kernel
-(prefill_attention) and SDPA's flash kernel on contiguous K/V, at llama-8b's attention shape (32 query
-heads, 8 KV heads, head_dim 128, page size 16, pages shuffled through the cache), bf16.
+(prefill_attention), FlashInfer's FA3 paged kernel (flare.kernels.flashinfer_prefill, where FlashInfer is
+installed on a Hopper GPU; its first call JIT-builds it, timed) and SDPA's flash kernel on contiguous K/V,
+at llama-8b's attention shape (32 query heads, 8 KV heads, head_dim 128, page size 16, pages shuffled
+through the cache), bf16.
 
 One job in one go (about two minutes on an H200):
   1. correctness: both kernels at their default configuration against the float32 torch reference
@@ -215,6 +217,7 @@ def bench_case(name, prefix, chunk, dtype, device, configs, measure, generator, 
         label = "default" if variant is None else config_label(variant)
         record["prefill_attention"].append(
             timed(label, lambda v=variant: prefill_attention(*args, max_query_len=chunk, **(v or {}))))
+    record["flashinfer_fa3"] = flashinfer_entry(case, scale, timed)
     for kernel in ("flash_prefill", "prefill_attention"):
         ok = [e for e in record[kernel] if "ms" in e]
         record[f"{kernel}_best"] = min(ok, key=lambda e: e["ms"]) if ok else None
@@ -222,6 +225,32 @@ def bench_case(name, prefix, chunk, dtype, device, configs, measure, generator, 
     if device == "cuda":
         torch.cuda.empty_cache()
     return record
+
+
+def flashinfer_entry(case, scale, timed) -> dict | None:
+    """FlashInfer's FA3 paged prefill on the case (None where it cannot run); its first call's seconds (the
+    JIT build on a machine without it) in `first_call_s`."""
+    import torch
+
+    from flare.engine.attention import AttentionMetadata
+    from flare.kernels.flashinfer_prefill import FlashInferPrefill, unavailable_reason
+
+    q = case["q"]
+    if unavailable_reason(q.device, q.dtype) is not None:
+        return None
+    context = case["prefix"] + case["chunk"]
+    table = case["block_tables"][0, :-(-context // PAGE)].tolist()
+    meta = AttentionMetadata.build([case["chunk"]], [context], [table], PAGE, q.device)
+    prefill, out = FlashInferPrefill(q.device), torch.empty_like(q)
+    started = time.perf_counter()
+    try:
+        prefill.attend(q, case["kv"][0], case["kv"][1], meta, scale, out)
+        torch.cuda.synchronize()
+    except Exception as exc:
+        return {"variant": "fa3", "failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    entry = timed("fa3", lambda: prefill.attend(q, case["kv"][0], case["kv"][1], meta, scale, out))
+    entry["first_call_s"] = time.perf_counter() - started
+    return entry
 
 
 def config_label(config: dict) -> str:
@@ -254,13 +283,15 @@ def best_overall(records: list) -> dict | None:
 
 def print_table(records: list) -> None:
     print(f"\n{'case':24} {'flash_prefill best':28} {'ms':>8} {'TFLOP/s':>8} | {'old ms':>8} {'TFLOP/s':>8} "
-          f"| {'sdpa ms':>8} {'TFLOP/s':>8}")
+          f"| {'sdpa ms':>8} {'TFLOP/s':>8} | {'fa3 ms':>8} {'TFLOP/s':>8}")
     for r in records:
         new, old, sdpa = r["flash_prefill_best"], r["prefill_attention_best"], r["sdpa_flash"]
         default = r["flash_prefill"][0]
         new_text = f"{new['variant']:28} {new['ms']:8.3f} {new['tflops']:8.1f}" if new else f"{'none':28} {'-':>8} {'-':>8}"
         old_text = f"{old['ms']:8.3f} {old['tflops']:8.1f}" if old else f"{'-':>8} {'-':>8}"
-        print(f"{r['case']:24} {new_text} | {old_text} | {sdpa['ms']:8.3f} {sdpa['tflops']:8.1f}")
+        fa3 = r.get("flashinfer_fa3") or {}
+        fa3_text = f"{fa3['ms']:8.3f} {fa3['tflops']:8.1f}" if "ms" in fa3 else f"{'-':>8} {fa3.get('failed', '-')[:40]}"
+        print(f"{r['case']:24} {new_text} | {old_text} | {sdpa['ms']:8.3f} {sdpa['tflops']:8.1f} | {fa3_text}")
         if "ms" in default:
             print(f"{'':24} default {default['variant']:20} {default['ms']:8.3f} {default['tflops']:8.1f}")
         print_failures(r["flash_prefill"], "configurations")
@@ -308,6 +339,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"a subset of {', '.join(CASES)}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on whatever device there is")
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--default-only", action="store_true",
+                        help="time flash_prefill at its default configuration only (no sweep)")
     args = parser.parse_args(argv)
 
     import torch
@@ -324,7 +357,7 @@ def main(argv=None) -> int:
     measure = timer(device)
     generator = torch.Generator(device=device).manual_seed(1)
     cases = SMOKE_CASES if args.smoke else {name: CASES[name] for name in args.cases.split(",")}
-    configs = sweep_configs(args.smoke)
+    configs = sweep_configs(args.smoke)[:1] if args.default_only else sweep_configs(args.smoke)
     records = []
     for name, (prefix, chunk) in cases.items():
         records.append(bench_case(name, prefix, chunk, dtype, device, configs, measure, generator, args.smoke))

@@ -22,15 +22,16 @@ import os
 import sys
 
 from flare.config import Config
+from flare.kernels.flashinfer_builds import workspace_base
 
 # Prefixes of variables that Hugging Face libraries read; all are removed before ours are set.
 _CLEARED_PREFIXES = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_")
 _CLEARED_NAMES = ("TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "PYTORCH_TRANSFORMERS_CACHE",
                   "PYTORCH_PRETRAINED_BERT_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                  "TOKENIZERS_PARALLELISM")
+                  "TOKENIZERS_PARALLELISM", "FLASHINFER_WORKSPACE_BASE")
 
 # Libraries that read these variables at import; importing one first defeats the policy.
-LIBRARIES_READING_AT_IMPORT = ("huggingface_hub", "transformers", "tokenizers", "torch", "triton")
+LIBRARIES_READING_AT_IMPORT = ("huggingface_hub", "transformers", "tokenizers", "torch", "triton", "flashinfer")
 
 
 def library_environment(config: Config) -> dict[str, str]:
@@ -53,6 +54,9 @@ def library_environment(config: Config) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(kernel_cache / "inductor"),
         "TRITON_CACHE_DIR": str(kernel_cache / "triton"),
     }
+    flashinfer = workspace_base(kernel_cache)          # FlashInfer's JIT builds (spec section 7)
+    if flashinfer is not None:
+        variables["FLASHINFER_WORKSPACE_BASE"] = str(flashinfer)
     if config.paths.cuda is not None:
         variables["CUDA_HOME"] = str(config.paths.cuda)
         variables["CUDA_PATH"] = str(config.paths.cuda)

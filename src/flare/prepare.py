@@ -171,6 +171,8 @@ def export_model(source: CheckpointSource, recipe: RecipeFacts, options: ExportO
     workers = resolve(COMPILE_WORKERS, options.compile_workers, settings.config).value    # None: automatic
     with fit.allocation_guard():
         prepared = _prepare_code(source.directory, plan, device, progress, workers)
+    if prepared is not None:
+        plan = msgspec.structs.replace(plan, prefill_attention=prepared.prompt_kernel)
     if prepared is not None and prepared.step_costs is not None:
         plan = msgspec.structs.replace(plan, step_costs=step_cost_table(prepared.step_costs))
     if prepared is not None and prepared.prompt_graphs is not None:
@@ -281,13 +283,30 @@ def _load_through_model(checkpoint_dir: Path, plan: Plan) -> None:
                     online_fp8=plan.online_fp8, kv_cache_dtype=plan.kv_cache_dtype)
 
 
+def _choose_prompt_kernel(checkpoint_dir: Path, plan: Plan, device: str):
+    """The prompt attention kernel for the checkpoint's heads on this GPU (flare.engine.prompt_kernel)."""
+    import torch
+
+    from flare.engine.prompt_kernel import choose_prompt_kernel
+    from flare.models.loader import read_model_config
+
+    cfg = read_model_config(checkpoint_dir, plan.online_fp8)
+    return choose_prompt_kernel(device, getattr(torch, plan.dtype), plan.kv_cache_dtype, cfg.num_attention_heads,
+                                cfg.num_key_value_heads, cfg.head_dim)
+
+
 def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: PhaseProgress,
                   compile_workers: int | None = None):
     """The tune, compile, allocate, capture and measure phases: on a GPU, a warm-up of the compiled model
     whose compiled kernels go into the package (flare.engine.compile_cache), then its steps timed for the
     plan's step costs; on a CPU, nothing to prepare."""
     with progress.phase("Tune kernels") as phase:
-        phase.skip("CPU device: nothing to tune" if device == "cpu" else "no tunable kernels in this version")
+        if device == "cpu":
+            phase.skip("CPU device: nothing to tune")
+        else:
+            choice = _choose_prompt_kernel(checkpoint_dir, plan, device)
+            plan = msgspec.structs.replace(plan, prefill_attention=choice.kernel)
+            phase.done(choice.detail)
     if device == "cpu":
         for name, reason in (("Compile forward", "CPU device: forwards run eagerly"),
                              ("Allocate KV cache", "pages are sized from free device memory when the package is served"),

@@ -5,7 +5,8 @@ and MLP widths) cut to LAYERS decoder layers, random weights spread like tests/t
 (logits of a few units with clear winners). Teacher-forced: two sequences of fixed random tokens are
 fed through the paged cache on the Triton backend in the steps a served model sees (a prompt, a decode
 beside a prompt chunk, an extend over cached prefixes, verification-shaped steps of 4 and 9 tokens per
-sequence, decodes), eagerly and with the decoder layers compiled as serving runs them; every position's
+sequence, decodes), eagerly and with the decoder layers compiled as serving runs them (and so again with
+FlashInfer's FA3 kernel computing the prompt rows, on a Hopper GPU with FlashInfer); every position's
 logits are compared with transformers' float32 logits of the whole sequence.
 
 The stated tolerance, against two yardsticks: Flare's bf16 logits are as close to float32 as
@@ -110,6 +111,8 @@ def gate(request):
     from flare.engine.attention import TorchReferenceBackend
     from flare.engine.attention_triton import TritonBackend
     from flare.engine.compile import compile_model
+    from flare.engine.prompt_kernel import use_prompt_kernel
+    from flare.kernels.flashinfer_prefill import KERNEL_NAME
     from flare.models import ModelConfig
     from flare.models.loader import load_model
 
@@ -130,6 +133,8 @@ def gate(request):
     deviations["flare eager"] = Deviation.of(flare_logits(cfg, ours, tokens), exact)
     compile_model(ours)
     deviations["flare compiled"] = Deviation.of(flare_logits(cfg, ours, tokens), exact)
+    if use_prompt_kernel(ours, KERNEL_NAME, DEVICE, torch.bfloat16).kernel == KERNEL_NAME:   # Hopper + FlashInfer
+        deviations["flare compiled, FlashInfer prompts"] = Deviation.of(flare_logits(cfg, ours, tokens), exact)
     scale = float(exact.abs().max())
     write_report(request.config.getoption("numerics_report"), request.param, deviations, scale, exact.shape[0])
     del ours, exact
@@ -159,18 +164,21 @@ def write_report(path, shape: str, deviations: dict, scale: float, positions: in
 
 def assert_as_close(gate, variant: str, yardstick: str) -> None:
     shape, deviations, scale = gate
+    if variant not in deviations:
+        pytest.skip(f"{variant}: not measured here (FlashInfer's FA3 kernels need Hopper and FlashInfer)")
     ours, theirs = deviations[variant], deviations[yardstick]
     assert ours.max_abs <= RATIO * theirs.max_abs + SLACK * scale, (shape, ours, theirs)
     assert ours.rms <= RATIO * theirs.rms + SLACK * scale, (shape, ours, theirs)
     assert ours.top1_agreement >= theirs.top1_agreement - TOP1_POINTS, (shape, ours, theirs)
 
 
-@pytest.mark.parametrize("variant", ["flare eager", "flare compiled"])
+@pytest.mark.parametrize("variant", ["flare eager", "flare compiled", "flare compiled, FlashInfer prompts"])
 def test_bf16_logits_are_as_close_to_float32_as_transformers_bf16(gate, variant):
     assert_as_close(gate, variant, "transformers bf16")
 
 
-@pytest.mark.parametrize("variant", ["flare reference attention", "flare eager", "flare compiled"])
+@pytest.mark.parametrize("variant", ["flare reference attention", "flare eager", "flare compiled",
+                                     "flare compiled, FlashInfer prompts"])
 def test_bf16_logits_are_as_close_to_float32_as_the_reference_attention(gate, variant):
     """The Triton kernels (and the compiled layers) lose nothing against float32 softmax in torch; the
     reference variant itself is held to transformers' bf16."""

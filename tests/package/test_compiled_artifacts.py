@@ -42,9 +42,23 @@ def test_export_stores_the_compiled_artifacts_and_catalog(export, approved, gpu_
     assert step_costs_of(package.plan) == STEP_COSTS                 # the measured steps, in the signed plan
 
 
+def test_the_plan_records_the_prompt_kernel_and_its_builds_travel(export, approved, monkeypatch):
+    """An export whose GPU chose FlashInfer's prompt attention: the plan says so, its builds are packed."""
+    artifacts = CompiledArtifacts(b"compiled" * 8, KEY, b"kernels", b"flashinfer builds")
+
+    def prepared(checkpoint_dir, plan, device, progress, compile_workers=None):
+        return PreparedCode(artifacts, (1, 2, 4), 1.5, prompt_kernel="flashinfer-fa3")
+
+    monkeypatch.setattr(prepare, "_prepare_code", prepared)
+    package = open_package(export(), approved)
+    assert package.plan.prefill_attention == "flashinfer-fa3"
+    assert CompiledArtifacts(*package.compiled_artifacts()) == artifacts
+
+
 def test_a_cpu_export_carries_no_compiled_artifacts(export, approved):
     package = open_package(export(), approved)
     assert package.compiled_artifacts() is None and package.plan.step_costs is None
+    assert package.plan.prefill_attention == "triton"
     # The catalog is the plan's: a GPU that serves the package captures exactly these sizes.
     assert list(package.graph_catalogs.values())[0].captured == package.plan.decode_capacities == (1, 2, 4)
 
@@ -85,14 +99,20 @@ def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatc
 
     def prepared_code(directory, plan, device, compile_workers):
         calls.append(compile_workers)
-        return PreparedCode(gpu_prepared, (1, 2, 4, 8), 12.0, STEP_COSTS, 2.5)
+        assert plan.prefill_attention == "flashinfer-fa3"        # the tuned kernel runs the warm-up and steps
+        return PreparedCode(gpu_prepared, (1, 2, 4, 8), 12.0, STEP_COSTS, 2.5, prompt_kernel=plan.prefill_attention)
 
+    from flare.engine.prompt_kernel import PromptKernelChoice
+
+    tuned = PromptKernelChoice("flashinfer-fa3", "FlashInfer FA3 prompt attention (Triton / FlashInfer: 9.9 / 6.1 ms)")
+    monkeypatch.setattr(prepare, "_choose_prompt_kernel", lambda directory, plan, device: tuned)
     monkeypatch.setattr(compile_cache, "prepare_compiled", prepared_code)
     from flare.ui.progress import PhaseProgress
     stream = io.StringIO()
     prepared = prepare._prepare_code(None, _plan(compile=True), "cuda", PhaseProgress(stream=stream, styled=False), 3)
     text = stream.getvalue()
     assert prepared.captured_sizes == (1, 2, 4, 8) and calls == [3]
+    assert "Tune kernels. [ OK ] FlashInfer FA3 prompt attention (Triton / FlashInfer: 9.9 / 6.1 ms)" in text
     assert "warmed up in 12.0 s" in text and "4 decode batch sizes (1, 2, 4, 8)" in text
     assert ("Measure steps. [ OK ] 6 step shapes timed in 2.5 s on NVIDIA H200: decode batches 1-4 beside 0-128 "
             "prompt tokens, 4.0-5.5 ms; decodes alone at 4,096 tokens of context 4.9-6.1 ms") in text
@@ -258,9 +278,10 @@ def test_a_gpu_export_carries_compiled_kernels_that_serving_loads(tmp_path, cach
     assert costs.device == torch.cuda.get_device_name()
     assert costs.decode_batches == decode_batch_rows(package.plan.max_concurrency)
     assert costs.prompt_tokens == (0, 64, 128) and all(ms > 0 for row in costs.milliseconds for ms in row)
-    data, key, kernels = package.compiled_artifacts()
+    data, key, kernels, builds = package.compiled_artifacts()
     assert data and kernels and key == compile_cache.environment_key()
-    note = compile_cache.load_artifacts(CompiledArtifacts(data, key, kernels))
+    assert bool(builds) == (package.plan.prefill_attention != "triton")   # FlashInfer's build travels when chosen
+    note = compile_cache.load_artifacts(CompiledArtifacts(data, key, kernels, builds))
     assert note.startswith("compiled kernels from the package")
 
 
@@ -273,7 +294,8 @@ def test_inspect_graphs_says_what_compiled_code_the_package_carries(export, gpu_
     assert main(["inspect", str(entry), "--graphs", "--json"]) == 0
     [rank] = json.loads(capsys.readouterr().out)["graphs"]
     assert rank["compiled"] == {"torch_compile_bytes": len(gpu_prepared.data),
-                                "triton_kernel_bytes": len(gpu_prepared.triton_kernels), "prepared_with": KEY}
+                                "triton_kernel_bytes": len(gpu_prepared.triton_kernels),
+                                "flashinfer_build_bytes": len(gpu_prepared.flashinfer_kernels), "prepared_with": KEY}
     assert main(["inspect", str(entry), "--graphs"]) == 0
     text = capsys.readouterr().out
     assert "torch.compile" in text and "NVIDIA H200" in text and max(map(len, text.splitlines())) <= 80

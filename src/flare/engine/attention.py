@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flare.models.quantization import E4M3_MAX, KV_SCALE_BYTES
@@ -33,6 +34,10 @@ class AttentionMetadata:
     # How many leading sequences bring exactly one new token, when longer chunks follow them (a mixed
     # step): kernels may serve those as decodes. 0 when there are none, or the batch is all decodes.
     num_decodes: int = 0
+    # Host copies of query_start_loc and seq_lens, where the step had them anyway (int64): kernels that plan
+    # on the host (flare.kernels.flashinfer_prefill) read them instead of copying the device tensors back.
+    host_query_start: np.ndarray | None = None
+    host_seq_lens: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -61,6 +66,8 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
             page_size=page_size,
             num_decodes=leading_decodes(query_lens),
+            host_query_start=np.array(starts, dtype=np.int64),
+            host_seq_lens=np.array(seq_lens, dtype=np.int64),
         )
 
     @property

@@ -32,6 +32,14 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     `num_decodes`: the first sequences bring one new token each (0: unknown); `decode_splits` is the
     split-K count of decode and multi-query attention (over the whole batch, or over those first
     sequences)."""
+    return _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+                            scale, max_query_len, decode_splits, num_decodes, out)
+
+
+def _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, scale,
+                     max_query_len, decode_splits, num_decodes, out, prompt_kernel=None) -> torch.Tensor:
+    """run_paged_attention; `prompt_kernel(query, k_cache, v_cache, out)`, when given, computes the prompt
+    rows of a bf16/fp16 cache in place of flash_prefill (the rows of sequences `num_decodes`.. of `out`)."""
     from flare.kernels.decode_attention import decode_attention
     from flare.kernels.flash_prefill import flash_prefill_attention
     from flare.kernels.multi_query_attention import MAX_QUERY_TOKENS, multi_query_attention
@@ -51,12 +59,17 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if 1 < queries <= MAX_QUERY_TOKENS:
         return multi_query_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, out,
                                      **scales)
-    if num_decodes == 0:
+    if prompt_kernel is not None and scales:
+        prompt_kernel = None                       # the FP8 cache's per-token scales: our kernel reads them
+    if num_decodes == 0 and prompt_kernel is None:
         return flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                        max_query_len=max_query_len, out=out, **scales)
     out = torch.empty_like(query) if out is None else out
-    decode_attention(query[:num_decodes], k_cache, v_cache, block_tables[:num_decodes], seq_lens[:num_decodes],
-                     scale, decode_splits, out=out[:num_decodes], **scales)
+    if num_decodes:
+        decode_attention(query[:num_decodes], k_cache, v_cache, block_tables[:num_decodes], seq_lens[:num_decodes],
+                         scale, decode_splits, out=out[:num_decodes], **scales)
+    if prompt_kernel is not None:
+        return prompt_kernel(query, k_cache, v_cache, out)
     # Not slices of the metadata: offset pointers would change the kernel's alignment specialization
     # with every count of decodes, each one a compile in the middle of serving.
     flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
@@ -100,6 +113,9 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, decode_splits: int | None = None):
         self.decode_splits = decode_splits
+        # FlashInfer's FA3 prefill (flare.kernels.flashinfer_prefill.FlashInferPrefill) when the package chose
+        # it (`use_prompt_kernel`): eager prompt rows of bf16/fp16 caches take it in place of flash_prefill.
+        self.prompt_kernel = None
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.interceptor is not None:
@@ -122,6 +138,10 @@ class TritonBackend(AttentionBackend):
             return paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
                                    meta.num_decodes)
-        return run_paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
-                                   meta.num_decodes, out)
+        prompt = None
+        if self.prompt_kernel is not None and meta.host_query_start is not None:
+            def prompt(q, k_cache, v_cache, result):
+                return self.prompt_kernel.attend(q, k_cache, v_cache, meta, scale, result)
+        return _paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
+                                meta.num_decodes, out, prompt)

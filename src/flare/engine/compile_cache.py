@@ -44,6 +44,7 @@ class CompiledArtifacts:
     data: bytes                                  # torch.compiler.save_cache_artifacts() bytes
     key: dict                                    # environment_key() where they were made
     triton_kernels: bytes = b""                  # our kernels' Triton cache entries (pack_triton_kernels)
+    flashinfer_kernels: bytes = b""              # FlashInfer's JIT builds (flare.kernels.flashinfer_builds)
 
 
 def environment_key(device_index: int = 0) -> dict:
@@ -56,17 +57,22 @@ def environment_key(device_index: int = 0) -> dict:
             "gpu": properties.name, "capability": f"{properties.major}.{properties.minor}"}
 
 
-def save_artifacts() -> CompiledArtifacts | None:
-    """Everything torch.compile compiled or loaded from cache in this process so far, and our Triton
-    kernels' cache entries; None if there is neither."""
+def save_artifacts(flashinfer: bool = False) -> CompiledArtifacts | None:
+    """Everything torch.compile compiled or loaded from cache in this process so far, our Triton
+    kernels' cache entries and, with `flashinfer`, FlashInfer's builds; None if there is none of them."""
     import torch
 
     saved = torch.compiler.save_cache_artifacts()
     compiled = saved[0] if saved is not None and saved[0] else b""
     kernels = pack_triton_kernels(triton_cache_dir(), kernel_names())
-    if not compiled and not kernels:
+    builds = b""
+    if flashinfer:
+        from flare.kernels.flashinfer_builds import build_dirs, flashinfer_version, pack_builds
+
+        builds = pack_builds(*build_dirs(), flashinfer_version())
+    if not compiled and not kernels and not builds:
         return None
-    return CompiledArtifacts(compiled, environment_key(), kernels)
+    return CompiledArtifacts(compiled, environment_key(), kernels, builds)
 
 
 def load_artifacts(artifacts: CompiledArtifacts | None) -> str:
@@ -84,8 +90,18 @@ def load_artifacts(artifacts: CompiledArtifacts | None) -> str:
     if artifacts.data:
         torch.compiler.load_cache_artifacts(artifacts.data)
     added = unpack_triton_kernels(artifacts.triton_kernels, triton_cache_dir())
-    size = (len(artifacts.data) + len(artifacts.triton_kernels)) / 2**20
-    return f"compiled kernels from the package ({size:.1f} MiB; {added} Triton kernels added to the local cache)"
+    size = (len(artifacts.data) + len(artifacts.triton_kernels) + len(artifacts.flashinfer_kernels)) / 2**20
+    builds = f"; {_unpack_flashinfer(artifacts.flashinfer_kernels)}" if artifacts.flashinfer_kernels else ""
+    return f"compiled kernels from the package ({size:.1f} MiB; {added} Triton kernels added to the local cache{builds})"
+
+
+def _unpack_flashinfer(data: bytes) -> str:
+    """FlashInfer's builds from the package into its local build directories, when it is installed here."""
+    from flare.kernels.flashinfer_builds import build_dirs, flashinfer_version, installation_name, unpack_builds
+
+    if installation_name() is None:
+        return "FlashInfer is not installed here"
+    return unpack_builds(data, *build_dirs(), flashinfer_version())
 
 
 def triton_cache_dir() -> Path:
@@ -191,6 +207,7 @@ class PreparedCode:
     step_costs: StepCosts | None = None          # steps timed after the warm-up (on a GPU)
     step_cost_seconds: float = 0.0
     prompt_graphs: PromptGraphCheck | None = None    # export's check of the prompt graphs (on a GPU)
+    prompt_kernel: str = "triton"                # the prompt attention kernel it ran (Plan.prefill_attention)
 
 
 def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
@@ -209,6 +226,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     from flare.engine.config import EngineConfig
     from flare.engine.factory import build_core, load_checkpoint_model
     from flare.engine.prompt_graphs import pages_to_check
+    from flare.engine.prompt_kernel import TRITON, use_prompt_kernel
     from flare.engine.step_cost import measurement_model_len
 
     started = time.perf_counter()
@@ -230,6 +248,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     loaded = load_checkpoint_model(checkpoint_dir, config, device, plan.dtype, online_fp8=plan.online_fp8,
                                    kv_cache_dtype=plan.kv_cache_dtype)
     loaded = replace(loaded, compile_layers=plan.compile)
+    prompt_kernel = use_prompt_kernel(loaded.model, plan.prefill_attention, device, getattr(torch, plan.dtype)).kernel
     core = build_core(loaded)
     graphs = core.runner.graphs
     sizes = graphs.sizes if graphs is not None else ()
@@ -239,7 +258,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     if on_cuda:
         prompt_check = check_runner_prompt_graphs(core.runner, prompt_sizes) if graphs is not None else None
         costs, cost_seconds = _measure_steps(core.runner, device)
-    artifacts = save_artifacts() if on_cuda else None      # nothing is compiled for a CPU
+    artifacts = save_artifacts(prompt_kernel != TRITON) if on_cuda else None      # nothing is compiled for a CPU
     if prompt_check is not None:
         prompt_check = replace(prompt_check, graphs=None)   # their memory goes with the core's
     del core, graphs, loaded
@@ -247,7 +266,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     if on_cuda:
         torch.cuda.empty_cache()
     return PreparedCode(artifacts, tuple(sizes), time.perf_counter() - started - cost_seconds, costs, cost_seconds,
-                        prompt_check)
+                        prompt_check, prompt_kernel)
 
 
 def plan_prompt_graph_sizes(checkpoint_dir, plan: Plan) -> tuple[int, ...]:

@@ -80,15 +80,17 @@ def flat_inputs(plan: StepPlan, slots: BatchSlots, page_size: int) -> FlatInputs
         to_device(np.concatenate(parts), device), [len(part) for part in parts])
     if len(from_sampled):
         ids[fix_at] = slots.last_sampled[fix_slot]
-    meta = flat_metadata(slots, page_size, lens, seq_lens, starts_d, seq_lens_d, row_slots_d, token_slots, positions_d)
+    meta = flat_metadata(slots, page_size, lens, seq_lens, starts_d, seq_lens_d, row_slots_d, token_slots, positions_d,
+                         host_query_start=query_start)
     return FlatInputs(ids, positions_d, meta, *sample_d, query_start.tolist())
 
 
 def flat_metadata(slots: BatchSlots, page_size: int, lens: np.ndarray, seq_lens: np.ndarray, query_start,
-                  seq_lens_d, row_slots, token_slots, positions) -> AttentionMetadata:
+                  seq_lens_d, row_slots, token_slots, positions,
+                  host_query_start: np.ndarray | None = None) -> AttentionMetadata:
     """The attention metadata of flattened rows (`lens` new tokens each, `seq_lens` long after them) over
     the slots' page tables; the device tensors are the rows' query starts, sequence lengths and slots, and
-    each token's row slot and position."""
+    each token's row slot and position; `host_query_start` is the host copy of the query starts."""
     width = int(-(-seq_lens.max() // page_size))
     return AttentionMetadata(
         query_start_loc=query_start.to(torch.int32), seq_lens=seq_lens_d.to(torch.int32),
@@ -96,7 +98,7 @@ def flat_metadata(slots: BatchSlots, page_size: int, lens: np.ndarray, seq_lens:
         slot_mapping=slots.page_tables[token_slots, positions // page_size].to(torch.int64) * page_size
         + positions % page_size,
         max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), page_size=page_size,
-        num_decodes=leading_decodes(lens.tolist()))
+        num_decodes=leading_decodes(lens.tolist()), host_query_start=host_query_start, host_seq_lens=seq_lens)
 
 
 def decode_rows(plan: StepPlan, slots: BatchSlots) -> np.ndarray:

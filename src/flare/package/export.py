@@ -237,7 +237,8 @@ def _module_global(spec: ExportSpec) -> tuple[list[st.TensorBytes], dict[str, st
     if spec.compiled is None:
         return [], metadata
     metadata[fmt.COMPILE_KEY_METADATA] = json.dumps(spec.compiled.key, sort_keys=True)
-    parts = {fmt.COMPILED_ARTIFACTS_TENSOR: spec.compiled.data, fmt.TRITON_KERNELS_TENSOR: spec.compiled.triton_kernels}
+    parts = {fmt.COMPILED_ARTIFACTS_TENSOR: spec.compiled.data, fmt.TRITON_KERNELS_TENSOR: spec.compiled.triton_kernels,
+             fmt.FLASHINFER_KERNELS_TENSOR: spec.compiled.flashinfer_kernels}
     return [st.TensorBytes(name, "U8", (len(data),), data) for name, data in parts.items() if data], metadata
 
 

@@ -29,6 +29,7 @@ GRAPH_CATALOG_METADATA = "flare.graph_catalog"
 COMPILE_KEY_METADATA = "flare.compile_key"
 COMPILED_ARTIFACTS_TENSOR = "torch_compile_artifacts"
 TRITON_KERNELS_TENSOR = "triton_kernels"          # a gzip tar of Triton cache entries of Flare's own kernels
+FLASHINFER_KERNELS_TENSOR = "flashinfer_kernels"  # a gzip tar of FlashInfer's JIT builds (flare.kernels.flashinfer_builds)
 PACKED_PREFIX = "payload:"
 PADDING_PREFIX = "padding:"
 PACKED_ALIGNMENT = 64

@@ -111,6 +111,7 @@ def _capacities(manifest: Manifest) -> dict:
             "max_model_len": plan.max_model_len,
             "max_concurrency": plan.max_concurrency, "decode_capacities": list(plan.decode_capacities),
             "prefill_chunk": plan.prefill_chunk, "page_size": plan.page_size,
+            "prefill_attention": plan.prefill_attention,
             "kv_bytes_per_token": _kv_bytes_per_token(manifest),
             "memory_reserve_bytes": plan.memory_reserve_bytes}
 
@@ -235,8 +236,9 @@ def _compiled(package: Package, rank: Rank) -> dict | None:
     stored = package.compiled_artifacts(rank.rank) if package.trust is not None else None
     if stored is None:
         return None
-    data, key, triton_kernels = stored
-    return {"torch_compile_bytes": len(data), "triton_kernel_bytes": len(triton_kernels), "prepared_with": key}
+    data, key, triton_kernels, flashinfer_kernels = stored
+    return {"torch_compile_bytes": len(data), "triton_kernel_bytes": len(triton_kernels),
+            "flashinfer_build_bytes": len(flashinfer_kernels), "prepared_with": key}
 
 
 def _prompt_steps_text(catalog: dict) -> str:
@@ -251,8 +253,10 @@ def _compiled_text(compiled: dict | None, read: bool) -> str:
     if compiled is None:
         return "none (prepared without a GPU)" if read else "not read (unverified)"
     key = compiled["prepared_with"]
+    flashinfer = compiled.get("flashinfer_build_bytes")
+    builds = f", {format_bytes(flashinfer)} FlashInfer" if flashinfer else ""
     return (f"{format_bytes(compiled['torch_compile_bytes'])} torch.compile, "
-            f"{format_bytes(compiled['triton_kernel_bytes'])} Triton; for torch {key.get('torch')}, "
+            f"{format_bytes(compiled['triton_kernel_bytes'])} Triton{builds}; for torch {key.get('torch')}, "
             f"Triton {key.get('triton')}, CUDA {key.get('cuda')}, {key.get('gpu')} ({key.get('capability')})")
 
 
@@ -351,6 +355,7 @@ def _summary_sections(report: dict) -> list[Section]:
                                ("decode batches", _text(capacities["decode_capacities"])),
                                ("prefill chunk", _text(capacities["prefill_chunk"])),
                                ("page size", _text(capacities["page_size"])),
+                               ("prompt attention", _text(capacities["prefill_attention"])),
                                ("KV per token", format_bytes(capacities["kv_bytes_per_token"])),
                                ("cache history", _text(report["cache_history"])),
                                ("speculation", _text(report["speculation"]) if report["speculation"] else "off")]),

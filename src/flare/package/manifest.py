@@ -194,6 +194,9 @@ class Plan(_Record):
     # sets it aside before sizing KV pages, since the graphs are captured after the pages are allocated.
     prompt_graph_bytes: Count = 0
     speculation: SpeculationPlan | None = None      # None: --no-mtp, or a package from before speculation
+    # The kernel of prompt attention over bf16/fp16 caches, chosen by measurement at export
+    # (flare.engine.prompt_kernel): Flare's Triton kernel, or FlashInfer's FA3 kernel on Hopper GPUs.
+    prefill_attention: Literal["triton", "flashinfer-fa3"] = "triton"
 
 
 class Sampling(_Record):

@@ -88,17 +88,17 @@ class Package:
         for location in locations:
             yield from wt.iter_tensors(*location)
 
-    def compiled_artifacts(self, rank: int = 0) -> tuple[bytes, dict, bytes] | None:
+    def compiled_artifacts(self, rank: int = 0) -> tuple[bytes, dict, bytes, bytes] | None:
         """The torch.compile artifacts prepared for `rank` of the first deployment, the environment key
-        they were made with and the packed Triton kernels (b"" if none), read hash-checked; None when the
-        package was prepared without a GPU."""
+        they were made with, the packed Triton kernels and FlashInfer builds (b"" if none), read
+        hash-checked; None when the package was prepared without a GPU."""
         deployment = self.manifest.deployments[0]
         name = next(r.payloads[0] for r in deployment.ranks if r.rank == rank)
         tensors, metadata = _decode(verify.read_verified(self.files, self.manifest.payload(name)), name)
         if fmt.COMPILE_KEY_METADATA not in metadata:
             return None
         return (tensors.get(fmt.COMPILED_ARTIFACTS_TENSOR, b""), json.loads(metadata[fmt.COMPILE_KEY_METADATA]),
-                tensors.get(fmt.TRITON_KERNELS_TENSOR, b""))
+                tensors.get(fmt.TRITON_KERNELS_TENSOR, b""), tensors.get(fmt.FLASHINFER_KERNELS_TENSOR, b""))
 
     def frontend_dir(self) -> Path:
         """Materialise the frontend assets into a temporary directory (removed by `close`)."""

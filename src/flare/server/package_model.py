@@ -50,8 +50,19 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
         report(WeightsLoaded(time.perf_counter() - started))
         if compiled_note is not None:
             report(PrepareNote(compiled_note.result()))
+        if on_cuda:
+            _use_prompt_kernel(model, package.plan.prefill_attention, device, getattr(torch, dtype), report)
     return LoadedModel(cfg, model, merge_token_ids(cfg.eos_token_ids, extra_eos_token_ids), engine_config,
                        device, dtype, compile_layers=package.plan.compile, tokenizer_dir=tokenizer_dir, draft=draft)
+
+
+def _use_prompt_kernel(model, kernel: str, device: str, dtype, report: Report) -> None:
+    """The plan's prompt attention kernel (after the package's builds reached the local caches)."""
+    from flare.engine.prompt_kernel import use_prompt_kernel
+
+    note = use_prompt_kernel(model, kernel, device, dtype).detail
+    if note:
+        report(PrepareNote(note))
 
 
 def _load_draft(package, target_config, target, engine_config: Any, dtype: str, device: str, report: Report):

@@ -185,5 +185,6 @@ def _flat(ids: np.ndarray, starts: np.ndarray, lens: np.ndarray, row_slots: list
     device = slots.page_tables.device
     ids_d, positions_d, token_slots, starts_d, seq_lens_d, row_slots_d = torch.split(
         to_device(np.concatenate(parts), device), [len(part) for part in parts])
-    meta = flat_metadata(slots, page_size, lens, seq_lens, starts_d, seq_lens_d, row_slots_d, token_slots, positions_d)
+    meta = flat_metadata(slots, page_size, lens, seq_lens, starts_d, seq_lens_d, row_slots_d, token_slots, positions_d,
+                         host_query_start=query_start)
     return ids_d.clone(), positions_d, meta
