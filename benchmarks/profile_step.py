@@ -7,6 +7,7 @@ captured, as `flare run` does), then profiles each case with torch.profiler (CUD
   prefill-2048    one request's first 2,048-token chunk from an empty cache
   prompt-8192     an 8,192-token prompt through the engine's chunking, to its first token
   prompt-8192x1   the same prompt as one 8,192-token step
+  prompt-32768    a 32,768-token prompt through the engine's chunking, to its first token
   mixed-64        64 requests decoding while a 1,000-token prompt arrives (the step that carries it)
   decode-1, decode-64   captured decode steps at batch 1 and 64 (context 1,024); any decode-N is a
                         batch of N
@@ -39,19 +40,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shapes import SHAPES, randomize_  # noqa: E402
 
-CASES = ("prefill-2048", "prompt-8192", "prompt-8192x1", "mixed-64", "decode-1", "decode-64")
+CASES = ("prefill-2048", "prompt-8192", "prompt-8192x1", "prompt-32768", "mixed-64", "decode-1", "decode-64")
+PROMPT_LENGTHS = {"prefill-2048": 2048, "mixed-64": 1000, "prompt-8192": 8192, "prompt-8192x1": 8192,
+                  "prompt-32768": 32768}
 
 
 def kernel_class(name: str) -> str:
     lowered = name.lower()
     if "splitkreduce" in lowered:                   # cuBLAS's split-K reduction belongs to its product
         return "matmul"
-    if any(key in lowered for key in ("gemm", "gemv", "sm90_xmma", "cutlass", "matmul", "nvjet", "splitk")):
-        return "matmul"
+    # Attention first: FlashInfer's FA3 kernel names carry its CUTLASS mainloop.
     if any(key in lowered for key in ("attention", "attn", "flash", "_fwd_kernel", "_prefill_kernel",
                                       "_decode_split_kernel", "_decode_reduce_kernel", "_write_kv_kernel",
-                                      "_flash_prefill_kernel")):
+                                      "_flash_prefill_kernel", "prefillwithkvcache")):
         return "attention"
+    if any(key in lowered for key in ("gemm", "gemv", "sm90_xmma", "cutlass", "matmul", "nvjet", "splitk")):
+        return "matmul"
     if lowered.startswith("triton_") or "elementwise" in lowered or "reduce" in lowered:
         return "elementwise/fused"
     if "memcpy" in lowered or "memset" in lowered:
@@ -99,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--traces", type=Path, default=None, help="folder for gzipped Chrome traces")
     parser.add_argument("--fp8", action="store_true",
                         help="FP8 weights and KV cache, as `ignition export --online-mxfp8 --kv-cache-dtype fp8`")
+    parser.add_argument("--prompt-kernel", default="triton", choices=("triton", "flashinfer-fa3"),
+                        help="prompt attention: Flare's Triton kernel or FlashInfer's FA3 (Hopper, FlashInfer installed)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     unknown = [case for case in args.cases.split(",") if case not in CASES and not decode_batch(case)]
@@ -126,8 +132,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(cfg, dtype, device, attention_backend(device, cfg.head_dim))
     randomize_(model)
-    page_size, max_len = 16, 8192 + 512
-    config = EngineConfig(max_concurrency=72, page_size=page_size, num_pages=80 * (max_len // page_size),
+    page_size, max_len = 16, 32768 + 512
+    config = EngineConfig(max_concurrency=72, page_size=page_size, num_pages=80 * (8704 // page_size),
                           prefill_chunk=2048, max_num_batched_tokens=2 * 2048 + 72, max_model_len=max_len,
                           enable_prefix_caching=False)
     started = time.perf_counter()
@@ -135,12 +141,16 @@ def main(argv=None) -> int:
         from flare.engine.compile import compile_model
 
         compile_model(model)
+    if args.prompt_kernel != "triton":
+        from flare.engine.prompt_kernel import use_prompt_kernel
+
+        print(f"prompt kernel: {use_prompt_kernel(model, args.prompt_kernel, device, dtype).detail}", flush=True)
     runner = ModelRunner(model, cfg, config, device, dtype, seed=0, graphs=device == "cuda")
     prompt_graphs = with_prompt_graphs(runner, cfg.fp8 is not None) if args.prompt_graphs else None
     print(f"{args.shape} ({cfg.num_hidden_layers} layers): compile + capture {time.perf_counter() - started:.1f} s",
           flush=True)
     result = {"benchmark": "step profile", "shape": args.shape, "layers": cfg.num_hidden_layers, "fp8": args.fp8,
-              "compiled": not args.no_compile, "prompt_graphs": prompt_graphs, "device": device_identity(),
+              "compiled": not args.no_compile, "prompt_graphs": prompt_graphs, "prompt_kernel": args.prompt_kernel, "device": device_identity(),
               "command": " ".join(sys.argv), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "cases": {}}
     for case in args.cases.split(","):
@@ -204,8 +214,8 @@ def run_case(case: str, runner, config, vocab_size: int, traces: Path | None) ->
         core.add_request(EngineRequest(f"d{i}", prompt(1024), params))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()
-    prompt_case = case in ("prefill-2048", "prompt-8192", "prompt-8192x1", "mixed-64")
-    length = {"prefill-2048": 2048, "mixed-64": 1000}.get(case, 8192)
+    prompt_case = case in PROMPT_LENGTHS
+    length = PROMPT_LENGTHS.get(case, 0)
 
     def run_once(request_id):
         """The case's step(s); the wall time ends when the GPU is done."""
@@ -213,7 +223,7 @@ def run_case(case: str, runner, config, vocab_size: int, traces: Path | None) ->
             core.add_request(EngineRequest(request_id, prompt(length), params))
         synchronize()
         started = time.perf_counter()
-        if case.startswith("prompt-8192"):
+        if case.startswith("prompt-"):
             steps = until_first_token(request_id)
         else:
             steps = 1 if prompt_case else 10
