@@ -52,3 +52,19 @@ def test_an_unknown_kernel_is_refused_by_name():
     model = torch.nn.Sequential(TinyAttention(TritonBackend()))
     with pytest.raises(ValueError, match="unknown prompt attention kernel 'fa9'"):
         use_prompt_kernel(model, "fa9", "cpu", torch.float32)
+
+
+def test_a_flashinfer_that_fails_to_load_leaves_the_triton_kernel(monkeypatch):
+    """Start-up survives a broken FlashInfer: the note names the failure, prompts stay on our kernel."""
+    from flare.kernels.flashinfer_prefill import FlashInferPrefill
+
+    def broken(self):
+        raise OSError("libcudart.so.13: cannot open shared object file")
+
+    monkeypatch.setattr("flare.kernels.flashinfer_prefill.unavailable_reason", lambda device, dtype: None)
+    monkeypatch.setattr(FlashInferPrefill, "_new_wrapper", broken)
+    model = torch.nn.Sequential(TinyAttention(TritonBackend()))
+    choice = use_prompt_kernel(model, KERNEL_NAME, "cpu", torch.float32)
+    assert choice.kernel == TRITON and model[0].backend.prompt_kernel is None
+    assert choice.detail == ("the package chose FlashInfer's FA3 prompt attention, but it failed to load (OSError: "
+                             "libcudart.so.13: cannot open shared object file): Triton prompt attention")

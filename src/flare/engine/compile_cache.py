@@ -101,7 +101,10 @@ def _unpack_flashinfer(data: bytes) -> str:
 
     if installation_name() is None:
         return "FlashInfer is not installed here"
-    return unpack_builds(data, *build_dirs(), flashinfer_version())
+    try:
+        return unpack_builds(data, *build_dirs(), flashinfer_version())
+    except Exception as exc:                # a broken install: its kernel falls back when loaded (prompt_kernel)
+        return f"FlashInfer's builds not unpacked ({type(exc).__name__}: {exc})"[:300]
 
 
 def triton_cache_dir() -> Path:

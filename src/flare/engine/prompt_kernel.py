@@ -88,17 +88,12 @@ def _cuda_ms(fn, runs: int = 5) -> float:
     """Median ms of `fn` over `runs` calls after one warm call, by CUDA events."""
     import torch
 
+    from flare.bench import cuda_event_timer
+
     fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    timed = cuda_event_timer()
+    return statistics.median(timed(fn) for _ in range(runs))
 
 
 def use_prompt_kernel(model, kernel: str, device, dtype) -> PromptKernelChoice:
@@ -122,7 +117,12 @@ def use_prompt_kernel(model, kernel: str, device, dtype) -> PromptKernelChoice:
                                           "Triton prompt attention")
     prefill = FlashInferPrefill(device)
     started = time.perf_counter()
-    _warm(prefill, backends[0], model, device, dtype)
+    try:
+        _warm(prefill, backends[0], model, device, dtype)
+    except Exception as exc:                # a broken install or build: serve on our kernel, and say so
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return PromptKernelChoice(TRITON, f"the package chose FlashInfer's FA3 prompt attention, but it failed to "
+                                          f"load ({type(exc).__name__}: {first}): Triton prompt attention")
     for backend in backends:
         backend.prompt_kernel = prefill
     seconds = time.perf_counter() - started
