@@ -42,17 +42,27 @@ def test_export_stores_the_compiled_artifacts_and_catalog(export, approved, gpu_
     assert step_costs_of(package.plan) == STEP_COSTS                 # the measured steps, in the signed plan
 
 
-def test_the_plan_records_the_prompt_kernel_and_its_builds_travel(export, approved, monkeypatch):
-    """An export whose GPU chose FlashInfer's prompt attention: the plan says so, its builds are packed."""
+def test_the_plan_records_the_prompt_kernel_and_its_builds_travel(export, approved, monkeypatch, capsys):
+    """An export whose GPU chose FlashInfer's prompt attention: the plan says so, its builds are packed,
+    and `flare inspect` shows both."""
+    import json
+
+    from flare.cli.flare import main
+
     artifacts = CompiledArtifacts(b"compiled" * 8, KEY, b"kernels", b"flashinfer builds")
 
     def prepared(checkpoint_dir, plan, device, progress, compile_workers=None):
         return PreparedCode(artifacts, (1, 2, 4), 1.5, prompt_kernel="flashinfer-fa3")
 
     monkeypatch.setattr(prepare, "_prepare_code", prepared)
-    package = open_package(export(), approved)
+    entry = export()
+    package = open_package(entry, approved)
     assert package.plan.prefill_attention == "flashinfer-fa3"
     assert CompiledArtifacts(*package.compiled_artifacts()) == artifacts
+    assert main(["inspect", str(entry), "--graphs", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["capacities"]["prefill_attention"] == "flashinfer-fa3"
+    assert report["graphs"][0]["compiled"]["flashinfer_build_bytes"] == len(b"flashinfer builds")
 
 
 def test_a_cpu_export_carries_no_compiled_artifacts(export, approved):
