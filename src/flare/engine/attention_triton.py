@@ -38,8 +38,8 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, scale,
                      max_query_len, decode_splits, num_decodes, out, prompt_kernel=None) -> torch.Tensor:
-    """run_paged_attention; `prompt_kernel(query, k_cache, v_cache, out)`, when given, computes the prompt
-    rows of a bf16/fp16 cache in place of flash_prefill (the rows of sequences `num_decodes`.. of `out`)."""
+    """run_paged_attention; `prompt_kernel(query, k_cache, v_cache, out)`, when given (bf16/fp16 caches
+    only), computes the prompt rows in place of flash_prefill (the rows of sequences `num_decodes`.. of `out`)."""
     from flare.kernels.decode_attention import decode_attention
     from flare.kernels.flash_prefill import flash_prefill_attention
     from flare.kernels.multi_query_attention import MAX_QUERY_TOKENS, multi_query_attention
@@ -59,8 +59,6 @@ def _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, blo
     if 1 < queries <= MAX_QUERY_TOKENS:
         return multi_query_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, out,
                                      **scales)
-    if prompt_kernel is not None and scales:
-        prompt_kernel = None                       # the FP8 cache's per-token scales: our kernel reads them
     if num_decodes == 0 and prompt_kernel is None:
         return flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                        max_query_len=max_query_len, out=out, **scales)
@@ -139,7 +137,8 @@ class TritonBackend(AttentionBackend):
                                    meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
                                    meta.num_decodes)
         prompt = None
-        if self.prompt_kernel is not None and meta.host_query_start is not None:
+        # Not for the FP8 cache: its per-token scales are read by our kernel only.
+        if self.prompt_kernel is not None and meta.host_query_start is not None and kv_cache.dtype != torch.uint8:
             def prompt(q, k_cache, v_cache, result):
                 return self.prompt_kernel.attend(q, k_cache, v_cache, meta, scale, result)
         return _paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,

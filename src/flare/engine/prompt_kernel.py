@@ -31,13 +31,15 @@ class PromptKernelChoice:
 def choose_prompt_kernel(device, dtype, kv_cache_dtype: str, num_heads: int, num_kv_heads: int,
                          head_dim: int) -> PromptKernelChoice:
     """The faster of the two kernels on this GPU for the model's heads; TRITON where FlashInfer cannot run."""
-    from flare.kernels.flashinfer_prefill import KERNEL_NAME, unavailable_reason
+    from flare.kernels.flashinfer_prefill import KERNEL_NAME, FlashInferPrefill, unavailable_reason
 
     reason = "the FP8 KV cache" if kv_cache_dtype == "fp8" else unavailable_reason(device, dtype)
     if reason is not None:
         return PromptKernelChoice(TRITON, f"Triton prompt attention ({reason})")
     try:
-        timings = [_time_case(lengths, device, dtype, num_heads, num_kv_heads, head_dim) for lengths in CASES.values()]
+        flashinfer = FlashInferPrefill(device)
+        timings = [_time_case(flashinfer, lengths, device, dtype, num_heads, num_kv_heads, head_dim)
+                   for lengths in CASES.values()]
     except Exception as exc:                # a failed build or launch: a candidate lost, not the export
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         return PromptKernelChoice(TRITON, f"Triton prompt attention (FlashInfer failed: {type(exc).__name__}: {first})")
@@ -51,14 +53,13 @@ def choose_prompt_kernel(device, dtype, kv_cache_dtype: str, num_heads: int, num
                                       f"(Triton / FlashInfer: {cases})")
 
 
-def _time_case(lengths, device, dtype, num_heads: int, num_kv_heads: int, head_dim: int):
-    """(Triton ms, FlashInfer ms, relative difference of their outputs) on random sequences of
+def _time_case(flashinfer, lengths, device, dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    """(Triton ms, `flashinfer`'s ms, relative difference of their outputs) on random sequences of
     (cached, new) tokens, pages shuffled through the cache."""
     import torch
 
     from flare.engine.attention import AttentionMetadata
     from flare.kernels.flash_prefill import flash_prefill_attention
-    from flare.kernels.flashinfer_prefill import FlashInferPrefill
 
     generator = torch.Generator(device=device).manual_seed(0)
     pages = [-(-(cached + new) // PAGE_SIZE) for cached, new in lengths]
@@ -70,7 +71,6 @@ def _time_case(lengths, device, dtype, num_heads: int, num_kv_heads: int, head_d
     query = torch.randn(meta.num_tokens, num_heads, head_dim, generator=generator, device=device).to(dtype)
     scale = head_dim ** -0.5
     ours, theirs = torch.empty_like(query), torch.empty_like(query)
-    flashinfer = FlashInferPrefill(device)
 
     def triton_kernel():
         flash_prefill_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,

@@ -7,7 +7,7 @@ directory of their own for each resolved FlashInfer installation (`installation_
 a hash of where it is installed), so editable checkouts of one version do not share builds.
 `flare.environment` points FlashInfer there before anything imports it.
 
-Export builds FlashInfer's prefill kernel (flare.engine.prefill_choice) and packs every build of this
+Export builds FlashInfer's prefill kernel (flare.engine.prompt_kernel) and packs every build of this
 installation (`pack_builds`: a gzip tar of the built ops and their generated sources, with a small
 record of the FlashInfer version); serving unpacks them into the local build directories
 (`unpack_builds`) before FlashInfer loads them. FlashInfer still runs ninja on each load, which finds

@@ -24,10 +24,11 @@ builds live, and how a package carries them so that `flare run` builds nothing, 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import numpy as np
+
+from flare.kernels.flashinfer_builds import installation_name
 
 FA3_CAPABILITY = (9, 0)                    # FlashInfer's fa3 backend: SM90 (Hopper) only
 WORKSPACE_BYTES = 128 * 1024 * 1024        # FlashInfer's float workspace (its documentation's 128 MiB)
@@ -45,7 +46,7 @@ def unavailable_reason(device, dtype) -> str | None:
         return f"FlashInfer's FA3 kernels are built for SM90 (Hopper); this GPU is SM{capability[0]}{capability[1]}"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"FlashInfer's FA3 prefill reads bf16 or fp16 caches, not {dtype} (the FP8 cache keeps Flare's kernel)"
-    if importlib.util.find_spec("flashinfer") is None:
+    if installation_name() is None:
         return "FlashInfer is not installed (pip install flashinfer-python)"
     return None
 
