@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flare.engine.host_copy import upload
 from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
 from flare.engine.step import NewRequest, StepPlan
@@ -95,7 +96,5 @@ class BatchSlots:
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without waiting for the device: through page-locked memory from torch's
-    caching host allocator, which keeps the block until the copy has run, so no later step overwrites it."""
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+    """A host array on `device` without waiting for the device (`host_copy.upload`)."""
+    return upload(torch.from_numpy(array), device)

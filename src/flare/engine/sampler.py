@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flare.engine.host_copy import upload
 from flare.engine.logprobs import gather_logprobs
 from flare.engine.outputs import TokenLogprob
 from flare.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -83,18 +84,20 @@ class DeviceSampler:
         bias = _merged_bias(params.logit_bias, self.vocab_size)
         encoded = slot_params(params, self.vocab_size, seed, num_bias=len(bias))
         tables, device = self.tables, self.device
-        tables.params[slot] = encoded.encode().to(device)
+        # Every host-to-device copy here is queued without waiting: a request takes its slot while the
+        # previous step may still run on the device (docs/architecture.md, "One step ahead").
+        tables.params[slot] = upload(encoded.encode(), device)
         if bias:
             ids = torch.full((MAX_LOGIT_BIAS,), reference.UNUSED_BIAS_ID, dtype=torch.int32)
             values = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.float32)
             ids[:len(bias)] = torch.tensor([token_id for token_id, _ in bias], dtype=torch.int32)
             values[:len(bias)] = torch.tensor([value for _, value in bias], dtype=torch.float32)
-            tables.bias_ids[slot], tables.bias_values[slot] = ids.to(device), values.to(device)
+            tables.bias_ids[slot], tables.bias_values[slot] = upload(ids, device), upload(values, device)
         if encoded.uses_penalties:
-            tables.prompt_bits[slot] = reference.pack_bits(list(prompt_token_ids), self.vocab_size).to(device)
+            tables.prompt_bits[slot] = upload(reference.pack_bits(list(prompt_token_ids), self.vocab_size), device)
             counts = torch.bincount(torch.as_tensor(list(output_token_ids), dtype=torch.int64),
                                     minlength=self.vocab_size)
-            tables.output_counts[slot] = counts.to(torch.int32).to(device)
+            tables.output_counts[slot] = upload(counts.to(torch.int32), device)
 
     def remove(self, slot: int) -> None:
         """The request left the slot; the slot samples greedily until the next add."""
