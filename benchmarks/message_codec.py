@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def step_message(batch: int, logprobs: int):
-    from flare.engine.core import EngineStats
+    from flare.engine.stats import EngineStats
     from flare.engine.messages import Outputs
     from flare.engine.outputs import CoreOutput, TokenLogprob
 

@@ -10,7 +10,7 @@ import pytest
 
 from flare.engine_client.async_engine import AsyncEngine
 from flare.engine.config import EngineConfig
-from flare.engine.core import InvalidRequest
+from flare.engine.request import InvalidRequest
 from flare.engine.factory import ModelFactory, load_checkpoint_model
 from flare.engine_client.llm_engine import LLMEngine
 from flare.engine.sampling_params import GrammarSpec, SamplingParams

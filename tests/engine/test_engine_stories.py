@@ -116,7 +116,7 @@ def test_max_model_len_ends_a_request(engine):
 
 
 def test_a_too_long_prompt_is_refused(engine):
-    from flare.engine.core import InvalidRequest
+    from flare.engine.request import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="shorten the prompt"):
         engine(max_model_len=8, num_pages=2, page_size=4).add_request("r", list(range(3, 20)))

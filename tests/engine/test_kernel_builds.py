@@ -67,15 +67,16 @@ def test_a_gpu_core_warms_its_eager_kernels_before_serving_and_forgets_the_warm_
 
     from flare.engine.config import EngineConfig
     from flare.engine.core import EngineCore
+    from flare.engine.warm_up import warm_up_kernels
     from fake_runner import FakeRunner
 
     config = EngineConfig(max_concurrency=2, page_size=16, num_pages=64, max_model_len=256, prefill_chunk=64)
     cpu_core = EngineCore(config, FakeRunner(16))
-    assert not cpu_core.warm_up_kernels()
+    assert not warm_up_kernels(cpu_core)
     runner = FakeRunner(16)
     runner.device = types.SimpleNamespace(type="cuda")
     core = EngineCore(config, runner)
-    assert core.warm_up_kernels()
+    assert warm_up_kernels(core)
     stats = core.stats(check_integrity=True)
     assert not core.has_unfinished() and not core.requests
     assert (stats.num_running, stats.kv_pages_used, stats.num_computed_tokens) == (0, 0, 0)

@@ -7,7 +7,8 @@ from fake_runner import FakeRunner, fake_continuation
 from test_scheduler import add, prompt, run_to_end
 
 from flare.engine.config import EngineConfig, engine_config_for_pool
-from flare.engine.core import EngineCore, InvalidRequest
+from flare.engine.core import EngineCore
+from flare.engine.request import InvalidRequest
 from flare.engine.policy import SchedulerPolicy
 from flare.errors import UsageError
 from flare.estimate import size_kv_pool

@@ -7,7 +7,7 @@ import pytest
 
 from flare.engine import messages
 from flare.engine.config import EngineConfig
-from flare.engine.core import EngineStats
+from flare.engine.stats import EngineStats
 from flare.engine.outputs import CoreOutput, TokenLogprob
 from flare.engine.request import EngineRequest
 from flare.engine.sampling_params import InvalidSamplingParams, SamplingParams

@@ -143,7 +143,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(make_fake_core):
 
 def test_a_prompt_is_validated_once_where_it_enters_the_engine(make_fake_core, monkeypatch):
     from flare.engine import core as core_module
-    from flare.engine.core import InvalidRequest
+    from flare.engine.request import InvalidRequest
     from flare.engine.core_process import _apply
     from flare.engine.messages import AddRequest, RequestRefused
 

@@ -136,7 +136,7 @@ def alternating(llm, interval: int = 3) -> list[bool]:
     timing); returns the list its `runs_ahead` answers are appended to."""
     from flare.engine.speculation.adaptive import _Average
 
-    widths = llm.core.widths
+    widths = llm.core.speculation.widths
     for bucket in widths.buckets:
         widths.costs[(bucket, 1)] = _Average(1.0, count=10)
         widths.ahead_costs[bucket] = _Average(0.1, count=10)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flare.engine.config import EngineConfig
-from flare.engine.core import EngineCore, InvalidRequest
+from flare.engine.core import EngineCore
+from flare.engine.request import InvalidRequest
 from flare.engine.factory import build_core, load_checkpoint_model
 from flare.engine.runner import ModelRunner
 from flare.engine.structured_output import StructuredOutputs, compile_spec
@@ -43,16 +44,16 @@ def test_constrained_and_free_rows_share_a_batch(engine):
     assert not free.new_text.lstrip().startswith("{")        # the unconstrained row is left alone
     assert engine.core.step() == []       # reads the step launched ahead for rows that had finished
     gc.collect()
-    assert len(engine.core.token_masker) == 0                  # finished requests drop their matchers
+    assert len(engine.core.grammar.masker) == 0                  # finished requests drop their matchers
 
 
 def test_a_core_without_vocabulary_refuses_grammars(engine):
-    masker, engine.core.token_masker = engine.core.token_masker, None
+    masker, engine.core.grammar.masker = engine.core.grammar.masker, None
     try:
         with pytest.raises(InvalidRequest, match="no vocabulary for constrained decoding"):
             engine.core.add_request(EngineRequest("g", (1, 2, 3), SamplingParams(grammar=GrammarSpec("json_object"))))
     finally:
-        engine.core.token_masker = masker
+        engine.core.grammar.masker = masker
 
 
 def test_a_grammar_the_compiler_refuses_is_an_invalid_request(engine):
@@ -175,7 +176,7 @@ def test_decode_steps_launch_the_forward_before_the_masks_are_filled(stories260k
     and fills the masks, then the sampling half takes them: masks filled before the forward was launched
     would leave the device idle while they fill."""
     engine, events = _engine(stories260k, graphs=True), []
-    graphs, masker = engine.core.runner.graphs, engine.core.token_masker
+    graphs, masker = engine.core.runner.graphs, engine.core.grammar.masker
     launch_forward, sample, next_token_masks = graphs.launch_forward, graphs.sample, masker.next_token_masks
     graphs.launch_forward = lambda rows: (events.append("forward"), launch_forward(rows))[1]
     graphs.sample = lambda launch, bitmask=None: (events.append("masked sample" if bitmask is not None
@@ -337,7 +338,7 @@ def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(stories260k):
     _step_until(engine, lambda: _finished(outputs, "free"), outputs)
     assert set(outputs) == {"free"} and engine.take_refused() == []
     gc.collect()
-    assert len(engine.core.token_masker) == 0            # no matcher was made for the cancelled request
+    assert len(engine.core.grammar.masker) == 0            # no matcher was made for the cancelled request
     engine.check_integrity()
 
 

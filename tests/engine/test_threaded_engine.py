@@ -8,7 +8,8 @@ import time
 import pytest
 
 from flare.engine.config import EngineConfig
-from flare.engine.core import EngineStats, InvalidRequest
+from flare.engine.stats import EngineStats
+from flare.engine.request import InvalidRequest
 from flare.engine.sampling_params import GrammarSpec, SamplingParams
 from flare.engine_client.llm_engine import LLMEngine
 from flare.engine_client.protocol import EngineClient, EngineDeadError

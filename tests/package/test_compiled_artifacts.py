@@ -10,6 +10,7 @@ import pytest
 
 from flare import prepare
 from flare.engine import compile_cache
+from flare.engine import warm_up as warm_up_module
 from flare.engine.compile_cache import CompiledArtifacts, PreparedCode
 from flare.engine.step_cost import StepCosts
 from flare.package.manifest import GraphCatalog, Plan
@@ -191,14 +192,14 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
     of a few tokens, the multi-query attention path), where nothing is compiled or captured, so it keeps
     no artifacts."""
     seen = {"mixed_steps": 0, "few_token_steps": 0}
-    real_warm_up = compile_cache.warm_up
+    real_warm_up = warm_up_module.warm_up
 
     def observed(core, vocab_size, prompt_tokens):
         def launch(plan, real_launch=core.runner.launch):
             lengths = [row.num_new_tokens for row in plan.rows]
             if 1 in lengths and max(lengths) > 1:
                 seen["mixed_steps"] += 1
-            if lengths == [compile_cache.WARM_UP_FEW_TOKENS]:
+            if lengths == [warm_up_module.WARM_UP_FEW_TOKENS]:
                 seen["few_token_steps"] += 1
             return real_launch(plan)
 
@@ -206,14 +207,14 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
         real_warm_up(core, vocab_size, prompt_tokens)
         seen.update(prompt_tokens=prompt_tokens, stats=core.stats(check_integrity=True))
 
-    monkeypatch.setattr(compile_cache, "warm_up", observed)
+    monkeypatch.setattr(warm_up_module, "warm_up", observed)
     plan = _plan(dtype="float32", page_size=16, prefill_chunk=64, max_concurrency=4, decode_capacities=(1, 2, 4))
     prepared = compile_cache.prepare_compiled(stories260k, plan, device="cpu")
     assert prepared.artifacts is None and prepared.captured_sizes == ()
     assert seen["prompt_tokens"] == 64 + 32 + 1
     stats = seen["stats"]
-    assert stats.num_computed_tokens == ((97 + 1) + (compile_cache.WARM_UP_SHORT_PROMPT + 1)
-                                         + (compile_cache.WARM_UP_FEW_TOKENS + 1))
+    assert stats.num_computed_tokens == ((97 + 1) + (warm_up_module.WARM_UP_SHORT_PROMPT + 1)
+                                         + (warm_up_module.WARM_UP_FEW_TOKENS + 1))
     assert seen["few_token_steps"] == 1
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert seen["mixed_steps"] == 1                     # the second prompt arrived while the first decoded

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from flare.engine.core import EngineStats
+from flare.engine.stats import EngineStats
 from flare.engine.outputs import RequestOutput, TokenLogprob
 from flare.engine_client.protocol import EngineDeadError
 

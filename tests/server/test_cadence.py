@@ -134,7 +134,7 @@ def test_the_plan_records_the_table_and_a_package_without_it_reads_as_none():
 
 def test_the_startup_report_says_the_bound_and_the_metrics_show_it(on_gpu):
     from flare.engine.config import EngineConfig
-    from flare.engine.core import EngineStats
+    from flare.engine.stats import EngineStats
     from flare.server.launch import startup_report
     from flare.server.metrics import ServerMetrics
 

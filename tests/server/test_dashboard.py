@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from flare.engine.core import EngineStats
+from flare.engine.stats import EngineStats
 from flare.engine.outputs import RequestOutput
 from flare.server.generation import Generation
 from flare.server.metrics import ServerMetrics

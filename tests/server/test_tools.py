@@ -10,7 +10,7 @@ import anthropic
 import openai
 import pytest
 
-from flare.engine.core import EngineStats
+from flare.engine.stats import EngineStats
 from flare.engine.outputs import RequestOutput
 from flare.frontend.chat_template import ChatTemplate, ChatTemplateError
 from flare.frontend.tool_parsers import ToolCallStream, get_parser, parser_name_for_directory

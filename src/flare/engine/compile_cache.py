@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import io
 import os
-import random
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -162,46 +161,6 @@ def unpack_triton_kernels(data: bytes, cache_dir: Path) -> int:
     return added
 
 
-WARM_UP_SHORT_PROMPT = 40    # the second warm-up request: prefilled while the first one decodes
-# The last warm-up request: a prompt of a few tokens, which attention serves with the multi-query kernel
-# (steps of 2..16 tokens per sequence, flare.kernels.multi_query_attention.MAX_QUERY_TOKENS), as a short
-# chat turn or a prefix-cache hit's remainder does; unwarmed, the first such request built it while serving.
-WARM_UP_FEW_TOKENS = 9
-
-
-def warm_up_prompt_tokens(prefill_chunk: int, max_model_len: int) -> int:
-    """A full chunk, then a remainder of another size (within the context, leaving two output tokens)."""
-    return max(1, min(prefill_chunk + prefill_chunk // 2 + 1, max_model_len - 2))
-
-
-def warm_up(core, vocab_size: int, prompt_tokens: int) -> None:
-    """Run greedy requests of random ids through `core`: one of `prompt_tokens` and two output tokens
-    compiles the prefill shapes (full chunks and a remainder) and replays a decode graph; when the
-    engine runs two requests at once, a short second one arrives as the first decodes, so a mixed step
-    (decode and prefill kernels in one step) is compiled too. A prompt of a few tokens comes last
-    (WARM_UP_FEW_TOKENS)."""
-    from flare.engine.request import EngineRequest
-    from flare.engine.sampling_params import SamplingParams
-
-    ids = random.Random(0)                               # the same warm-up every time
-
-    def request(name: str, length: int) -> EngineRequest:
-        prompt = tuple(ids.randrange(3, max(4, vocab_size)) for _ in range(length))
-        return EngineRequest(name, prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-
-    core.add_request(request("flare-warm-up", prompt_tokens))
-    short_pending = core.config.max_concurrency > 1
-    while core.has_unfinished():
-        core.step()
-        first = core.requests.get("flare-warm-up")
-        if short_pending and first is not None and first.num_output_tokens == 1:
-            core.add_request(request("flare-warm-up-mixed", WARM_UP_SHORT_PROMPT))
-            short_pending = False
-    core.add_request(request("flare-warm-up-few", WARM_UP_FEW_TOKENS))
-    while core.has_unfinished():
-        core.step()
-
-
 @dataclass(frozen=True)
 class PreparedCode:
     artifacts: CompiledArtifacts | None
@@ -231,6 +190,7 @@ def prepare_compiled(checkpoint_dir, plan: Plan, device: str = "cuda",
     from flare.engine.prompt_graphs import pages_to_check
     from flare.engine.prompt_kernel import TRITON, use_prompt_kernel
     from flare.engine.step_cost import measurement_model_len
+    from flare.engine.warm_up import WARM_UP_SHORT_PROMPT, warm_up, warm_up_prompt_tokens
 
     started = time.perf_counter()
     chunk = plan.prefill_chunk

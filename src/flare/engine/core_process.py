@@ -18,6 +18,7 @@ import signal
 from flare.engine import messages
 from flare.engine.messages import AbortRequests, AddRequest, Outputs, Ready, RequestRefused, Shutdown
 from flare.engine.step_profile import Diagnostics, StepTracer
+from flare.engine.warm_up import warm_up_kernels
 
 IDLE_POLL_MS = 1000     # an idle core wakes this often to check that its parent is still alive
 IDLE_CHECK_DELAY_MS = 100   # quiet time after going idle before the page integrity check runs
@@ -44,7 +45,7 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
     try:
         diagnostics = diagnostics or Diagnostics()
         core = _build(factory, seed, send, diagnostics.startup_profile_dir, core_builder)
-        core.warm_up_kernels()                         # the eager steps' kernels, loaded before serving
+        warm_up_kernels(core)                          # the eager steps' kernels, loaded before serving
         core.kernel_builds.watch()                     # from here on a build stalls serving: count them
         send(Ready(core.config, core.runner.vocab_size, tuple(sorted(core.eos_token_ids)), core.stats()))
         tracer = StepTracer(diagnostics) if diagnostics.step_trace_dir else None
@@ -114,7 +115,7 @@ def _serve(core, commands, send, parent: int, tracer: StepTracer | None = None) 
 
 def _apply(core, command: AddRequest | AbortRequests) -> RequestRefused | None:
     """Apply one command; a request the core refuses comes back as RequestRefused."""
-    from flare.engine.core import InvalidRequest
+    from flare.engine.request import InvalidRequest
 
     if isinstance(command, AddRequest):
         try:

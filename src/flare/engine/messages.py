@@ -23,7 +23,7 @@ from typing import Literal
 import msgspec
 
 from flare.engine.config import EngineConfig
-from flare.engine.core import EngineStats
+from flare.engine.stats import EngineStats
 from flare.engine.outputs import CoreOutput
 from flare.engine.request import EngineRequest
 

@@ -9,6 +9,10 @@ from flare.engine.outputs import FinishReason, TokenLogprob
 from flare.engine.sampling_params import SamplingParams
 
 
+class InvalidRequest(ValueError):
+    """A request the engine cannot take as given; the message says what to change."""
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """What crosses into the engine core once per request (plain data, so it pickles across processes)."""
@@ -119,3 +123,20 @@ def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: i
     else:
         return False
     return True
+
+
+def validate_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequest for a prompt the engine cannot serve (empty, too long, unknown ids).
+
+    Checked once per request, where it enters the engine: `EngineCore.add_request` for in-process
+    callers, `AsyncEngine.generate` for the served engine (the core process then trusts it). The HTTP
+    server's own admission checks come first and answer in the API's error form."""
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt is empty; send at least one token")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_token_ids)} tokens, but this model serves at most {max_model_len} "
+            "tokens of prompt and output together; shorten the prompt")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")

@@ -73,7 +73,7 @@ class SchedulerOutput:
 
 
 @dataclass
-class _StepPlan:
+class _Planning:
     """The step being planned: its chunks by request id and what is left of its budgets."""
 
     budget: int
@@ -132,7 +132,7 @@ class Scheduler:
         now = self.clock()
         for request in self.running:
             self._observe_terminal(request, now)
-        step = _StepPlan(self.config.max_num_batched_tokens)
+        step = _Planning(self.config.max_num_batched_tokens)
         for request in [r for r in self.running if r.num_uncomputed_tokens == 1]:
             if request.status is RequestStatus.RUNNING and step.budget > 0:
                 self._schedule_decode(request, step, now)
@@ -190,12 +190,12 @@ class Scheduler:
         age = None if request.terminal_since is None else now - request.terminal_since
         return self.policy.retirement_value(age)
 
-    def _prefill_size(self, request: Request, step: _StepPlan, now: float) -> int:
+    def _prefill_size(self, request: Request, step: _Planning, now: float) -> int:
         """Prompt tokens `request` computes this step: a chunk, within the budget and the prefill cap."""
         allowance = step.prefill_left + int(self._retirement_value(request, now))
         return min(request.num_uncomputed_tokens, self.config.prefill_chunk, step.budget, allowance)
 
-    def _schedule_decode(self, request: Request, step: _StepPlan, now: float) -> None:
+    def _schedule_decode(self, request: Request, step: _Planning, now: float) -> None:
         """The request's next token, and the draft tokens it carries (those the core proposed, then those the
         runner's draft model is to propose) as far as budget and length allow."""
         drafts, proposed = request.draft_token_ids, request.num_proposed_drafts
@@ -205,7 +205,7 @@ class Scheduler:
             proposed = min(proposed, room - len(drafts))
         self._schedule_running(request, 1 + len(drafts) + proposed, False, step, now, drafts, proposed)
 
-    def _schedule_running(self, request: Request, num_new: int, prefill: bool, step: _StepPlan, now: float,
+    def _schedule_running(self, request: Request, num_new: int, prefill: bool, step: _Planning, now: float,
                           drafts: tuple[int, ...] = (), proposed: int = 0) -> None:
         target = request.num_computed_tokens + num_new
         if not self._make_room(request, target, step, now):
@@ -213,7 +213,7 @@ class Scheduler:
         self.allocator.allocate(request.request_id, target)
         step.add(ScheduledChunk.of(request, num_new, drafts, proposed), prefill)
 
-    def _make_room(self, request: Request, num_tokens: int, step: _StepPlan, now: float) -> bool:
+    def _make_room(self, request: Request, num_tokens: int, step: _Planning, now: float) -> bool:
         """Preempt newer running requests until `request` can hold `num_tokens`; False if it went itself."""
         while not self.allocator.can_allocate(request.request_id, num_tokens):
             victim = self._victim(request, now)
@@ -229,7 +229,7 @@ class Scheduler:
             return request
         return min(reversed(newer), key=lambda r: self._retirement_value(r, now))
 
-    def _preempt(self, request: Request, step: _StepPlan) -> None:
+    def _preempt(self, request: Request, step: _Planning) -> None:
         step.drop(request.request_id)
         step.preempted.append(request.request_id)
         self.num_preemptions += 1
@@ -248,7 +248,7 @@ class Scheduler:
             heapq.heappush(self._free_slots, request.slot)
         request.slot, request.seated, request.num_pages_sent = None, False, 0
 
-    def _admit(self, request: Request, step: _StepPlan, now: float) -> bool:
+    def _admit(self, request: Request, step: _Planning, now: float) -> bool:
         """Try to start (or resume) the head of the queue; False if its next chunk does not fit now."""
         # Keep the last token uncached: its logits are needed to sample. Prompt logprobs need every
         # prompt position's logits, so a request still wanting them takes nothing from the cache.

@@ -16,7 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from flare.engine.core import EngineStats, InvalidRequest, validate_prompt
+from flare.engine.stats import EngineStats
+from flare.engine.request import InvalidRequest, validate_prompt
 from flare.engine.messages import AbortRequests, AddRequest, CoreFailed, Outputs, RequestRefused
 from flare.engine.outputs import RequestOutput
 from flare.engine.request import EngineRequest

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flare.engine.config import EngineConfig
-from flare.engine.core import EngineCore, RefusedRequest
+from flare.engine.core import EngineCore
+from flare.engine.stats import RefusedRequest
 from flare.engine.outputs import RequestOutput
 from flare.engine.request import EngineRequest
 from flare.engine.sampling_params import SamplingParams

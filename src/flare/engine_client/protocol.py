@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
-from flare.engine.core import EngineStats
+from flare.engine.stats import EngineStats
 from flare.engine.outputs import RequestOutput
 from flare.engine.sampling_params import SamplingParams
 

@@ -14,7 +14,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from flare.engine.core import EngineStats, InvalidRequest
+from flare.engine.stats import EngineStats
+from flare.engine.request import InvalidRequest
 from flare.engine.messages import AbortRequests, AddRequest, Shutdown
 from flare.engine.outputs import RequestOutput
 from flare.engine.request import EngineRequest

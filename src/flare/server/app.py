@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from flare.engine.core import EngineStats
+from flare.engine.stats import EngineStats
 from flare.server import error_handlers, openapi, routes
 from flare.server.auth import PUBLIC_PATHS, is_authorized
 from flare.server.errors import APIError, error_body, family_for_path

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
-from flare.engine.core import InvalidRequest
+from flare.engine.request import InvalidRequest
 from flare.engine.outputs import RequestOutput, TokenLogprob
 from flare.engine.sampling_params import GrammarSpec, InvalidSamplingParams, SamplingParams
 from flare.engine_client.protocol import EngineDeadError
