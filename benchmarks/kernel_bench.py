@@ -30,8 +30,8 @@ def paged_cache(batch, context, dtype, generator):
     num_pages = batch * pages_per_seq
     kv = torch.randn(2, num_pages, PAGE, KV_HEADS, HEAD_DIM, generator=generator, device="cuda").to(dtype)
     order = torch.randperm(num_pages, generator=generator, device="cuda").int()
-    block_tables = order.view(batch, pages_per_seq).contiguous()
-    return kv, block_tables
+    page_tables = order.view(batch, pages_per_seq).contiguous()
+    return kv, page_tables
 
 
 def bench_ms(fn):
@@ -80,7 +80,7 @@ def decode_cases(batches, contexts, sweep, fp8_kv=False):
     rows = []
     for batch in batches:
         for context in contexts:
-            kv, block_tables = paged_cache(batch, context, torch.bfloat16, generator)
+            kv, page_tables = paged_cache(batch, context, torch.bfloat16, generator)
             cache, scales = kv, {}
             if fp8_kv:
                 cache, kv_scales, kv = fp8_cache(kv)
@@ -91,8 +91,8 @@ def decode_cases(batches, contexts, sweep, fp8_kv=False):
             splits = choose_num_splits(batch, KV_HEADS, context)
 
             def torch_decode():
-                k = kv[0][block_tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
-                v = kv[1][block_tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
+                k = kv[0][page_tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
+                v = kv[1][page_tables.long()].view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].transpose(1, 2)
                 return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
                                                       enable_gqa=True)[:, :, 0]
 
@@ -102,7 +102,7 @@ def decode_cases(batches, contexts, sweep, fp8_kv=False):
             for name, knobs in variants.items():
                 knobs = dict(knobs)
                 num_splits = min(MAX_SPLITS, splits * knobs.pop("split_factor", 1))
-                run = lambda: decode_attention(q, cache[0], cache[1], block_tables, seq_lens, scale, num_splits,
+                run = lambda: decode_attention(q, cache[0], cache[1], page_tables, seq_lens, scale, num_splits,
                                                **knobs, **scales)
                 error = relative_error(run(), ref)
                 if not error < 1e-2:
@@ -135,13 +135,13 @@ def prefill_cases(cases, sweep=False):
     rows = []
     for prefix, chunk in cases:
         context = prefix + chunk
-        kv, block_tables = paged_cache(1, context, torch.bfloat16, generator)
+        kv, page_tables = paged_cache(1, context, torch.bfloat16, generator)
         q = torch.randn(chunk, HEADS, HEAD_DIM, generator=generator, device="cuda").bfloat16()
         query_start_loc = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
         seq_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
         scale = HEAD_DIM ** -0.5
-        k = kv[0][block_tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:context].transpose(0, 1)[None]
-        v = kv[1][block_tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:context].transpose(0, 1)[None]
+        k = kv[0][page_tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:context].transpose(0, 1)[None]
+        v = kv[1][page_tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM)[:context].transpose(0, 1)[None]
         qt = q.transpose(0, 1)[None]
         mask = None
         if prefix:
@@ -154,7 +154,7 @@ def prefill_cases(cases, sweep=False):
             return F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
         ref = sdpa()[0].transpose(0, 1).float()
-        run = lambda: prefill_attention(q, kv[0], kv[1], query_start_loc, seq_lens, block_tables, scale,
+        run = lambda: prefill_attention(q, kv[0], kv[1], query_start_loc, seq_lens, page_tables, scale,
                                         max_query_len=chunk)
         error = relative_error(run(), ref)
         if not error < 1e-2:
@@ -162,7 +162,7 @@ def prefill_cases(cases, sweep=False):
         ours, baseline = bench_ms(run), bench_ms(sdpa)
         variants = {}
         for variant in PREFILL_VARIANTS if sweep else []:
-            tuned = lambda: prefill_attention(q, kv[0], kv[1], query_start_loc, seq_lens, block_tables, scale,
+            tuned = lambda: prefill_attention(q, kv[0], kv[1], query_start_loc, seq_lens, page_tables, scale,
                                               max_query_len=chunk, **variant)
             try:
                 if relative_error(tuned(), ref) < 1e-2:

@@ -65,7 +65,7 @@ def paged_batch(batch: int, queries: int, context: int, dtype, device, generator
     kv = torch.randn(2, batch * pages + 1, PAGE, kv_heads, dim, generator=generator, device=device).to(dtype)
     order = torch.randperm(batch * pages + 1, generator=generator, device=device)[:batch * pages].int()
     return {"q": torch.randn(batch * queries, heads, dim, generator=generator, device=device).to(dtype),
-            "kv": kv, "block_tables": order.view(batch, pages).contiguous(),
+            "kv": kv, "page_tables": order.view(batch, pages).contiguous(),
             "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
             "query_start_loc": torch.arange(0, (batch + 1) * queries, queries, dtype=torch.int32, device=device),
             "batch": batch, "queries": queries, "context": context}
@@ -123,7 +123,7 @@ def bench_case(batch, queries, context, dtype, device, sweep, measure, generator
 
     dims = {k: SMOKE[k] for k in ("heads", "kv_heads", "dim")} if smoke else {}
     case = paged_batch(batch, queries, context, dtype, device, generator, **dims)
-    q, kv, tables, seq_lens = case["q"], case["kv"], case["block_tables"], case["seq_lens"]
+    q, kv, tables, seq_lens = case["q"], case["kv"], case["page_tables"], case["seq_lens"]
     scale = q.shape[2] ** -0.5
     kv_bytes = 2 * batch * context * kv.shape[3] * kv.shape[4] * kv.element_size()
 

@@ -87,7 +87,7 @@ def paged_case(prefix: int, chunk: int, dtype, device, generator, heads=HEADS, k
     kv = torch.randn(2, pages + 1, PAGE, kv_heads, dim, generator=generator, device=device).to(dtype)
     order = torch.randperm(pages + 1, generator=generator, device=device)[:pages].int()
     q = torch.randn(chunk, heads, dim, generator=generator, device=device).to(dtype)
-    return {"q": q, "kv": kv, "block_tables": order[None].contiguous(),
+    return {"q": q, "kv": kv, "page_tables": order[None].contiguous(),
             "query_start_loc": torch.tensor([0, chunk], dtype=torch.int32, device=device),
             "seq_lens": torch.tensor([context], dtype=torch.int32, device=device),
             "prefix": prefix, "chunk": chunk}
@@ -97,7 +97,7 @@ def contiguous_kv(case):
     """K, V [1, Hq, L, D] in position order, each KV head repeated for its query heads (flash takes equal heads)."""
     context = case["prefix"] + case["chunk"]
     group = case["q"].shape[1] // case["kv"].shape[3]
-    table = case["block_tables"][0].long()
+    table = case["page_tables"][0].long()
     k, v = (case["kv"][i][table].flatten(0, 1)[:context] for i in (0, 1))
     return tuple(x.repeat_interleave(group, dim=1).transpose(0, 1)[None].contiguous() for x in (k, v))
 
@@ -189,7 +189,7 @@ def bench_case(name, prefix, chunk, dtype, device, configs, measure, generator, 
     ref = flash()[0].transpose(0, 1).float()
     flops = causal_flops(prefix, chunk, case["q"].shape[1], dim)
     args = (case["q"], case["kv"][0], case["kv"][1], case["query_start_loc"], case["seq_lens"],
-            case["block_tables"], scale)
+            case["page_tables"], scale)
 
     def timed(label, fn):
         entry = {"variant": label}
@@ -239,7 +239,7 @@ def flashinfer_entry(case, scale, timed) -> dict | None:
     if unavailable_reason(q.device, q.dtype) is not None:
         return None
     context = case["prefix"] + case["chunk"]
-    table = case["block_tables"][0, :-(-context // PAGE)].tolist()
+    table = case["page_tables"][0, :-(-context // PAGE)].tolist()
     meta = AttentionMetadata.build([case["chunk"]], [context], [table], PAGE, q.device)
     prefill, out = FlashInferPrefill(q.device), torch.empty_like(q)
     started = time.perf_counter()

@@ -172,7 +172,7 @@ def decode_batch(case: str) -> int:
 def with_prompt_graphs(runner, fp8_projections: bool) -> dict:
     """Capture and check the prompt graphs of the runner's step budget, as export does; the runner replays
     them from here on when they pass. What the check found, for the JSON."""
-    from flare.engine.compile_cache import check_runner_prompt_graphs
+    from flare.prepare.gpu import check_runner_prompt_graphs
     from flare.engine.config import prompt_graph_sizes
 
     sizes = prompt_graph_sizes(runner.config.max_num_batched_tokens, fp8_projections)

@@ -84,11 +84,11 @@ def test_a_reduced_serving_concurrency_captures_the_plans_sizes_that_hold_it(sto
 
 def test_the_engine_configuration_carries_the_sizes_it_captures():
     assert EngineConfig(max_concurrency=20).decode_graph_sizes == (1, 2, 4, 8, 16, 24)
-    assert EngineConfig(max_concurrency=3, decode_graph_sizes=(1, 2, 4)).decode_graph_sizes == (1, 2, 4)
+    assert EngineConfig(max_concurrency=3, decode_graph_catalog=(1, 2, 4)).decode_graph_sizes == (1, 2, 4)
     with pytest.raises(UsageError, match="fewer than max_concurrency 8"):
-        EngineConfig(max_concurrency=8, decode_graph_sizes=(1, 2, 4))
+        EngineConfig(max_concurrency=8, decode_graph_catalog=(1, 2, 4))
     with pytest.raises(UsageError, match="rising order"):
-        EngineConfig(max_concurrency=4, decode_graph_sizes=(4, 2, 1))
+        EngineConfig(max_concurrency=4, decode_graph_catalog=(4, 2, 1))
 
 
 def test_the_rule_rounds_up_to_the_captured_set():

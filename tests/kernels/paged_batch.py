@@ -13,7 +13,7 @@ class PagedBatch:
     kv_cache: torch.Tensor          # [2, num_pages, page_size, Hkv, D]
     query_start_loc: torch.Tensor   # [B + 1] int32
     seq_lens: torch.Tensor          # [B] int32
-    block_tables: torch.Tensor      # [B, max_pages] int32
+    page_tables: torch.Tensor      # [B, max_pages] int32
     slot_mapping: torch.Tensor      # [T] int64, where each new token's K/V belong
     scale: float
 
@@ -31,13 +31,13 @@ def make_paged_batch(prefix_and_query_lens, num_heads, num_kv_heads, head_dim, p
     num_pages = sum(pages_per_seq) + 3
     order = torch.randperm(num_pages, generator=generator)
     max_pages = max(pages_per_seq) + 1
-    block_tables = torch.full((len(pages_per_seq), max_pages), num_pages - 1, dtype=torch.int32)
+    page_tables = torch.full((len(pages_per_seq), max_pages), num_pages - 1, dtype=torch.int32)
     slots, taken = [], 0
     for seq, ((prefix, new), count) in enumerate(zip(prefix_and_query_lens, pages_per_seq)):
-        block_tables[seq, :count] = order[taken:taken + count].int()
+        page_tables[seq, :count] = order[taken:taken + count].int()
         taken += count
         for position in range(prefix, prefix + new):
-            slots.append(int(block_tables[seq, position // page_size]) * page_size + position % page_size)
+            slots.append(int(page_tables[seq, position // page_size]) * page_size + position % page_size)
     query_lens = [new for _, new in prefix_and_query_lens]
     query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).int()
     seq_lens = torch.tensor([prefix + new for prefix, new in prefix_and_query_lens], dtype=torch.int32)
@@ -45,7 +45,7 @@ def make_paged_batch(prefix_and_query_lens, num_heads, num_kv_heads, head_dim, p
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
     return PagedBatch(q=q.to(dtype).to(device), kv_cache=kv.to(dtype).to(device),
                       query_start_loc=query_start_loc.to(device), seq_lens=seq_lens.to(device),
-                      block_tables=block_tables.to(device),
+                      page_tables=page_tables.to(device),
                       slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
                       scale=head_dim ** -0.5)
 

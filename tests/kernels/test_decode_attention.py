@@ -19,10 +19,10 @@ def run_decode(batch, num_splits):
     from flare.kernels.decode_attention import decode_attention, decode_attention_reference
 
     out = torch.full_like(batch.q, float("nan"))                   # every element must be written
-    decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.block_tables, batch.seq_lens,
+    decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.page_tables, batch.seq_lens,
                      batch.scale, num_splits=num_splits, out=out)
     ref = decode_attention_reference(batch.q.float(), batch.kv_cache[0].float(), batch.kv_cache[1].float(),
-                                     batch.block_tables, batch.seq_lens, batch.scale)
+                                     batch.page_tables, batch.seq_lens, batch.scale)
     return out, ref
 
 
@@ -39,14 +39,14 @@ def test_decode_matches_reference(kernel_device, dtype, context_lens, num_heads,
 
 
 def test_decode_reads_only_its_own_pages(kernel_device):
-    """Changing K/V in a page outside a sequence's block table must not change its output."""
+    """Changing K/V in a page outside a sequence's page table must not change its output."""
     from flare.kernels.decode_attention import decode_attention
 
     batch = make_paged_batch([(20, 1), (9, 1)], 4, 2, 64, page_size=16, dtype=torch.float32,
                              device=kernel_device)
-    args = (batch.block_tables, batch.seq_lens, batch.scale)
+    args = (batch.page_tables, batch.seq_lens, batch.scale)
     before = decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], *args, num_splits=2)
-    used = set(batch.block_tables[0, :2].tolist()) | {int(batch.block_tables[1, 0])}
+    used = set(batch.page_tables[0, :2].tolist()) | {int(batch.page_tables[1, 0])}
     spare = [page for page in range(batch.kv_cache.shape[1]) if page not in used]
     batch.kv_cache[:, spare] = 1e4
     after = decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], *args, num_splits=2)
@@ -58,11 +58,11 @@ def test_launcher_rejects_mismatched_shapes(kernel_device):
 
     batch = make_paged_batch([(3, 1)], 6, 4, 64, page_size=16, dtype=torch.float32, device=kernel_device)
     with pytest.raises(ValueError, match="do not divide"):
-        decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.block_tables,
+        decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.page_tables,
                          batch.seq_lens, batch.scale, num_splits=1)
     batch = make_paged_batch([(3, 1)], 4, 4, 64, page_size=16, dtype=torch.float32, device=kernel_device)
-    with pytest.raises(ValueError, match="block_tables"):
-        decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.block_tables.long(),
+    with pytest.raises(ValueError, match="page_tables"):
+        decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.page_tables.long(),
                          batch.seq_lens, batch.scale, num_splits=1)
 
 

@@ -30,7 +30,7 @@ def reference(batch, **fp8):
 
     caches = (fp8.pop("k"), fp8.pop("v")) if fp8 else (batch.kv_cache[0].float(), batch.kv_cache[1].float())
     return prefill_attention_reference(batch.q.float(), *caches, batch.query_start_loc, batch.seq_lens,
-                                       batch.block_tables, batch.scale, **fp8)
+                                       batch.page_tables, batch.scale, **fp8)
 
 
 @pytest.mark.parametrize("config", range(4))
@@ -44,7 +44,7 @@ def test_flash_prefill_matches_reference(kernel_device, dtype, sequences, num_he
                              device=kernel_device)
     out = torch.full_like(batch.q, float("nan"))
     flash_prefill_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.query_start_loc, batch.seq_lens,
-                            batch.block_tables, batch.scale, max_query_len=batch.max_query_len, out=out,
+                            batch.page_tables, batch.scale, max_query_len=batch.max_query_len, out=out,
                             config=configs()[config])
     assert torch.isfinite(out).all()
     assert relative_error(out, reference(batch)) < tolerance(dtype, kernel_device)
@@ -58,7 +58,7 @@ def test_flash_prefill_over_an_fp8_cache_matches_reference(kernel_device, dtype)
                              device=kernel_device)
     _, views = fp8_cache_of(batch.kv_cache.float())
     out = flash_prefill_attention(batch.q, views.k, views.v, batch.query_start_loc, batch.seq_lens,
-                                  batch.block_tables, batch.scale, max_query_len=batch.max_query_len,
+                                  batch.page_tables, batch.scale, max_query_len=batch.max_query_len,
                                   **scales(views))
     ref = reference(batch, k=views.k, v=views.v, **scales(views))
     assert relative_error(out, ref) < tolerance(dtype, kernel_device)
@@ -71,7 +71,7 @@ def test_flash_prefill_leaves_the_rows_before_first_seq_alone(kernel_device):
                              device=kernel_device)
     out = torch.full_like(batch.q, float("nan"))
     flash_prefill_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.query_start_loc, batch.seq_lens,
-                            batch.block_tables, batch.scale, max_query_len=30, out=out, first_seq=2)
+                            batch.page_tables, batch.scale, max_query_len=30, out=out, first_seq=2)
     assert torch.isnan(out[:2]).all()
     ref = reference(batch)
     assert relative_error(out[2:], ref[2:]) < tolerance(torch.float32, kernel_device)
@@ -83,7 +83,7 @@ def test_flash_prefill_is_causal(kernel_device):
 
     batch = make_paged_batch([(5, 40)], 2, 2, 64, page_size=16, dtype=torch.float32, device=kernel_device)
     run = lambda: flash_prefill_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.query_start_loc,
-                                          batch.seq_lens, batch.block_tables, batch.scale, max_query_len=40)
+                                          batch.seq_lens, batch.page_tables, batch.scale, max_query_len=40)
     before = run()
     last_slot = int(batch.slot_mapping[-1])
     batch.kv_cache[:, last_slot // 16, last_slot % 16] += 5.0
@@ -98,5 +98,5 @@ def test_flash_prefill_refuses_tiles_tl_dot_cannot_take(kernel_device):
     batch = make_paged_batch([(0, 8)], 2, 2, 64, page_size=16, dtype=torch.float32, device=kernel_device)
     with pytest.raises(ValueError, match="block_n 48: tiles are powers of two"):
         flash_prefill_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.query_start_loc,
-                                batch.seq_lens, batch.block_tables, batch.scale, max_query_len=8,
+                                batch.seq_lens, batch.page_tables, batch.scale, max_query_len=8,
                                 config=FlashConfig(block_m=16, block_n=48))

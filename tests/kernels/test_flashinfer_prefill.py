@@ -32,7 +32,7 @@ def test_plan_inputs_list_each_prompt_sequences_pages_after_the_decodes():
 
 
 def test_plan_inputs_refuse_what_the_table_cannot_hold():
-    with pytest.raises(ValueError, match="needs 3 pages; the block table holds 2"):
+    with pytest.raises(ValueError, match="needs 3 pages; the page table holds 2"):
         plan_inputs(np.array([0, 40]), np.array([40]), 0, 16, 2)
     with pytest.raises(ValueError, match="3 query starts for 1 sequences"):
         plan_inputs(np.array([0, 1, 2]), np.array([4]), 0, 16, 2)
@@ -71,7 +71,7 @@ def test_the_backend_with_flashinfer_prompts_matches_the_reference(kernel_device
     batch = make_paged_batch(sequences, num_heads=4, num_kv_heads=2, head_dim=16, page_size=16,
                              dtype=torch.float32, device=kernel_device)
     lens = [new for _, new in sequences]
-    tables = [[int(p) for p in row[:-(-(c + n) // 16)]] for row, (c, n) in zip(batch.block_tables, sequences)]
+    tables = [[int(p) for p in row[:-(-(c + n) // 16)]] for row, (c, n) in zip(batch.page_tables, sequences)]
     meta = AttentionMetadata.build(lens, [c + n for c, n in sequences], tables, 16, kernel_device)
     key = torch.randn(meta.num_tokens, 2, 16, device=kernel_device)
     value = torch.randn_like(key)
@@ -120,11 +120,11 @@ def test_flashinfer_fa3_matches_flash_prefill_at_bf16():
     batch = make_paged_batch(sequences, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                              dtype=torch.bfloat16, device="cuda")
     lens = [new for _, new in sequences]
-    tables = [[int(p) for p in row[:-(-(c + n) // 16)]] for row, (c, n) in zip(batch.block_tables, sequences)]
+    tables = [[int(p) for p in row[:-(-(c + n) // 16)]] for row, (c, n) in zip(batch.page_tables, sequences)]
     meta = AttentionMetadata.build(lens, [c + n for c, n in sequences], tables, 16, "cuda")
     k_cache, v_cache = batch.kv_cache[0], batch.kv_cache[1]
     ours = flash_prefill_attention(batch.q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, batch.scale, max_query_len=meta.max_query_len,
+                                   meta.page_tables, batch.scale, max_query_len=meta.max_query_len,
                                    first_seq=meta.num_decodes, out=torch.zeros_like(batch.q))
     theirs = FlashInferPrefill("cuda").attend(batch.q, k_cache, v_cache, meta, batch.scale, torch.zeros_like(batch.q))
     rows = slice(meta.num_decodes, None)

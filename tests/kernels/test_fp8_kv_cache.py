@@ -42,9 +42,9 @@ def test_decode_over_an_fp8_cache_matches_reference(kernel_device, dtype, contex
                              page_size=16, dtype=dtype, device=kernel_device)
     _, views = fp8_cache_of(batch.kv_cache.float())
     out = torch.full_like(batch.q, float("nan"))
-    decode_attention(batch.q, views.k, views.v, batch.block_tables, batch.seq_lens, batch.scale, num_splits,
+    decode_attention(batch.q, views.k, views.v, batch.page_tables, batch.seq_lens, batch.scale, num_splits,
                      out=out, fp16_math=fp16_math, **scales(views))
-    ref = decode_attention_reference(batch.q.float(), views.k, views.v, batch.block_tables, batch.seq_lens,
+    ref = decode_attention_reference(batch.q.float(), views.k, views.v, batch.page_tables, batch.seq_lens,
                                      batch.scale, **scales(views))
     assert torch.isfinite(out).all()
     # fp16 products: q and the dequantized V rounded to fp16 whatever q's dtype
@@ -59,7 +59,7 @@ def test_prefill_over_an_fp8_cache_matches_reference(kernel_device, dtype):
     batch = make_paged_batch([(0, 21), (18, 9), (30, 1)], 8, 2, 64, page_size=16, dtype=dtype,
                              device=kernel_device)
     _, views = fp8_cache_of(batch.kv_cache.float())
-    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.scale)
+    args = (batch.query_start_loc, batch.seq_lens, batch.page_tables, batch.scale)
     out = prefill_attention(batch.q, views.k, views.v, *args, max_query_len=batch.max_query_len, **scales(views))
     ref = prefill_attention_reference(batch.q.float(), views.k, views.v, *args, **scales(views))
     assert relative_error(out, ref) < tolerance(dtype, kernel_device)
@@ -150,7 +150,7 @@ def test_scales_must_come_with_an_fp8_cache(kernel_device):
     batch = make_paged_batch([(3, 1)], 4, 2, 64, page_size=16, dtype=torch.float32, device=kernel_device)
     _, views = fp8_cache_of(batch.kv_cache)
     with pytest.raises(ValueError, match="dtypes differ"):
-        decode_attention(batch.q, views.k, views.v, batch.block_tables, batch.seq_lens, batch.scale, 1)
+        decode_attention(batch.q, views.k, views.v, batch.page_tables, batch.seq_lens, batch.scale, 1)
     with pytest.raises(ValueError, match="k_scale must be float32"):
-        decode_attention(batch.q, views.k, views.v, batch.block_tables, batch.seq_lens, batch.scale, 1,
+        decode_attention(batch.q, views.k, views.v, batch.page_tables, batch.seq_lens, batch.scale, 1,
                          k_scale=views.k_scale[:1], v_scale=views.v_scale)

@@ -15,7 +15,7 @@ def run(batch, num_splits, **fp8):
 
     out = torch.full_like(batch.q, float("nan"))
     caches = (fp8.pop("k"), fp8.pop("v")) if fp8 else (batch.kv_cache[0], batch.kv_cache[1])
-    multi_query_attention(batch.q, *caches, batch.block_tables, batch.seq_lens, batch.scale, num_splits, out=out,
+    multi_query_attention(batch.q, *caches, batch.page_tables, batch.seq_lens, batch.scale, num_splits, out=out,
                           **fp8)
     return out
 
@@ -24,7 +24,7 @@ def reference(batch, **fp8):
     from flare.kernels.multi_query_attention import multi_query_attention_reference
 
     caches = (fp8.pop("k"), fp8.pop("v")) if fp8 else (batch.kv_cache[0].float(), batch.kv_cache[1].float())
-    return multi_query_attention_reference(batch.q.float(), *caches, batch.block_tables, batch.seq_lens,
+    return multi_query_attention_reference(batch.q.float(), *caches, batch.page_tables, batch.seq_lens,
                                            batch.scale, **fp8)
 
 
@@ -54,7 +54,7 @@ def test_multi_query_of_one_token_equals_decode(kernel_device):
     from flare.kernels.decode_attention import decode_attention
 
     batch = make_paged_batch([(40, 1), (2, 1)], 8, 2, 64, page_size=16, dtype=torch.float32, device=kernel_device)
-    decode = decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.block_tables, batch.seq_lens,
+    decode = decode_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.page_tables, batch.seq_lens,
                               batch.scale, num_splits=2)
     assert relative_error(run(batch, 2), decode) < tolerance(torch.float32, kernel_device)
 

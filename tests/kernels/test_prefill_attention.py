@@ -20,9 +20,9 @@ def run_prefill(batch):
 
     out = torch.full_like(batch.q, float("nan"))
     prefill_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.query_start_loc, batch.seq_lens,
-                      batch.block_tables, batch.scale, max_query_len=batch.max_query_len, out=out)
+                      batch.page_tables, batch.scale, max_query_len=batch.max_query_len, out=out)
     ref = prefill_attention_reference(batch.q.float(), batch.kv_cache[0].float(), batch.kv_cache[1].float(),
-                                      batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.scale)
+                                      batch.query_start_loc, batch.seq_lens, batch.page_tables, batch.scale)
     return out, ref
 
 
@@ -42,7 +42,7 @@ def test_prefill_is_causal(kernel_device):
 
     batch = make_paged_batch([(5, 12)], 2, 2, 64, page_size=16, dtype=torch.float32, device=kernel_device)
     run = lambda: prefill_attention(batch.q, batch.kv_cache[0], batch.kv_cache[1], batch.query_start_loc,
-                                    batch.seq_lens, batch.block_tables, batch.scale, max_query_len=12)
+                                    batch.seq_lens, batch.page_tables, batch.scale, max_query_len=12)
     before = run()
     last_slot = int(batch.slot_mapping[-1])
     batch.kv_cache[:, last_slot // 16, last_slot % 16] += 5.0
@@ -58,9 +58,9 @@ def test_prefill_of_one_token_equals_decode(kernel_device):
     batch = make_paged_batch([(40, 1), (2, 1)], 8, 2, 64, page_size=16, dtype=torch.float32,
                              device=kernel_device)
     caches = (batch.kv_cache[0], batch.kv_cache[1])
-    prefill = prefill_attention(batch.q, *caches, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+    prefill = prefill_attention(batch.q, *caches, batch.query_start_loc, batch.seq_lens, batch.page_tables,
                                 batch.scale, max_query_len=1)
-    decode = decode_attention(batch.q, *caches, batch.block_tables, batch.seq_lens, batch.scale, num_splits=2)
+    decode = decode_attention(batch.q, *caches, batch.page_tables, batch.seq_lens, batch.scale, num_splits=2)
     assert relative_error(prefill, decode) < tolerance(torch.float32, kernel_device)
 
 

@@ -38,9 +38,11 @@ def test_buckets_run_from_small_ones_to_the_first_that_holds_the_step_budget():
 
 
 def test_the_engine_config_refuses_unordered_prompt_graph_sizes():
-    assert EngineConfig(prompt_graph_sizes=[16, 64]).prompt_graph_sizes == (16, 64)
-    with pytest.raises(UsageError, match=r"prompt_graph_sizes \[64, 16\] must be distinct positive sizes"):
+    assert EngineConfig(prompt_graph_sizes=(16, 64)).prompt_graph_sizes == (16, 64)
+    with pytest.raises(UsageError, match=r"prompt_graph_sizes \[64, 16\] must be a tuple of distinct positive"):
         EngineConfig(prompt_graph_sizes=(64, 16))
+    with pytest.raises(UsageError, match=r"prompt_graph_sizes \[16, 64\] must be a tuple"):
+        EngineConfig(prompt_graph_sizes=[16, 64])
 
 
 def test_a_model_on_the_reference_backend_cannot_be_captured(tiny_llama):
@@ -66,7 +68,7 @@ def run_engine(directory, device, prompt_graph_sizes, seen=None, drafter=None, d
     from flare.models import load_checkpoint
 
     config = EngineConfig(max_concurrency=4, page_size=16, num_pages=32, max_model_len=128, prefill_chunk=16,
-                          max_num_batched_tokens=32, enable_prefix_caching=False, decode_graph_sizes=(1, 2, 4),
+                          max_num_batched_tokens=32, enable_prefix_caching=False, decode_graph_catalog=(1, 2, 4),
                           prompt_graph_sizes=prompt_graph_sizes,
                           speculation=SpeculationSettings(draft_tokens=3 if drafter or draft else 0,
                                                           adaptive=False))
@@ -143,7 +145,7 @@ def test_which_graphs_a_learned_draft_leaves(tiny_llama, monkeypatch, reads_hidd
     monkeypatch.setattr(ModelRunner, "_proposer", lambda self, draft, dtype: SimpleNamespace(
         reads_target_hidden_states=reads_hidden_states))
     config = EngineConfig(max_concurrency=2, page_size=16, num_pages=8, max_model_len=64, prefill_chunk=16,
-                          max_num_batched_tokens=32, decode_graph_sizes=(1, 2), prompt_graph_sizes=(16,),
+                          max_num_batched_tokens=32, decode_graph_catalog=(1, 2), prompt_graph_sizes=(16,),
                           speculation=SpeculationSettings(draft_tokens=2))
     cfg, model = load_checkpoint(tiny_llama, torch.float32, "cpu", TritonBackend())
     runner = ModelRunner(model, cfg, config, "cpu", torch.float32, seed=0, graphs=True, capture=False,

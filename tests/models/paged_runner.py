@@ -30,7 +30,7 @@ class PagedRunner:
         meta = AttentionMetadata.build(
             query_lens=[len(new_tokens[name]) for name in names],
             seq_lens=[self.lengths[name] for name in names],
-            block_tables=[self.pages[name] for name in names],
+            page_tables=[self.pages[name] for name in names],
             page_size=self.page_size,
             device=self.device,
         )

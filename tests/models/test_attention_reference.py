@@ -9,10 +9,10 @@ from flare.engine.attention import AttentionMetadata, TorchReferenceBackend
 
 def test_build_lays_out_two_sequences_as_documented():
     # a: 3 cached + 2 new tokens in pages [5, 2]; b: a fresh 3-token prompt in page [7]; pages of 4 slots
-    meta = AttentionMetadata.build(query_lens=[2, 3], seq_lens=[5, 3], block_tables=[[5, 2], [7]], page_size=4)
+    meta = AttentionMetadata.build(query_lens=[2, 3], seq_lens=[5, 3], page_tables=[[5, 2], [7]], page_size=4)
     assert meta.query_start_loc.tolist() == [0, 2, 5] and meta.query_start_loc.dtype == torch.int32
     assert meta.seq_lens.tolist() == [5, 3] and meta.seq_lens.dtype == torch.int32
-    assert meta.block_tables.tolist() == [[5, 2], [7, 0]] and meta.block_tables.dtype == torch.int32
+    assert meta.page_tables.tolist() == [[5, 2], [7, 0]] and meta.page_tables.dtype == torch.int32
     assert meta.slot_mapping.tolist() == [5 * 4 + 3, 2 * 4 + 0, 28, 29, 30]
     assert meta.slot_mapping.dtype == torch.int64
     assert (meta.max_query_len, meta.max_seq_len, meta.page_size) == (3, 5, 4)

@@ -11,7 +11,9 @@ import pytest
 from flare import prepare
 from flare.engine import compile_cache
 from flare.engine import warm_up as warm_up_module
-from flare.engine.compile_cache import CompiledArtifacts, PreparedCode
+from flare.engine.compile_cache import CompiledArtifacts
+from flare.prepare import gpu as prepare_gpu
+from flare.prepare.gpu import PreparedCode
 from flare.engine.step_cost import StepCosts
 from flare.package.manifest import GraphCatalog, Plan
 from flare.package.verify import IntegrityError
@@ -117,7 +119,7 @@ def test_gpu_export_reports_the_prepared_phases(export, gpu_prepared, monkeypatc
 
     tuned = PromptKernelChoice("flashinfer-fa3", "FlashInfer FA3 prompt attention (Triton / FlashInfer: 9.9 / 6.1 ms)")
     monkeypatch.setattr(prepare, "_choose_prompt_kernel", lambda directory, plan, device: tuned)
-    monkeypatch.setattr(compile_cache, "prepare_compiled", prepared_code)
+    monkeypatch.setattr(prepare_gpu, "prepare_compiled", prepared_code)
     from flare.ui.progress import PhaseProgress
     stream = io.StringIO()
     prepared = prepare._prepare_code(None, _plan(compile=True), "cuda", PhaseProgress(stream=stream, styled=False), 3)
@@ -209,7 +211,7 @@ def test_the_warm_up_runs_a_request_through_the_engine_of_the_plan(stories260k, 
 
     monkeypatch.setattr(warm_up_module, "warm_up", observed)
     plan = _plan(dtype="float32", page_size=16, prefill_chunk=64, max_concurrency=4, decode_capacities=(1, 2, 4))
-    prepared = compile_cache.prepare_compiled(stories260k, plan, device="cpu")
+    prepared = prepare_gpu.prepare_compiled(stories260k, plan, device="cpu")
     assert prepared.artifacts is None and prepared.captured_sizes == ()
     assert seen["prompt_tokens"] == 64 + 32 + 1
     stats = seen["stats"]
@@ -237,7 +239,7 @@ def test_running_out_of_gpu_memory_while_preparing_is_the_capacity_error(export,
     monkeypatch.setattr(prepare, "_device", lambda gpus: "cuda")
     monkeypatch.setattr(memory, "read_device_memory",
                         lambda: [memory.DeviceMemory(0, "test GPU", free=80 * 1024 ** 3, total=80 * 1024 ** 3)])
-    monkeypatch.setattr(compile_cache, "prepare_compiled", out_of_memory)
+    monkeypatch.setattr(prepare_gpu, "prepare_compiled", out_of_memory)
     with pytest.raises(CapacityError) as refused:
         export()
     assert refused.value.exit_code == 4
@@ -371,8 +373,8 @@ def test_fp8_plans_capture_prompt_graphs_up_to_the_step_budget(tmp_path):
     directory = write_tiny_checkpoint("llama", tmp_path)
     plan = Plan(dtype="bfloat16", page_size=16, prefill_chunk=2048, compile=True, max_concurrency=256,
                 decode_capacities=(1, 256), max_model_len=4096, memory_reserve_bytes=0, tensor_parallel=1)
-    assert compile_cache.plan_prompt_graph_sizes(directory, plan) == PROMPT_GRAPH_BUCKETS
+    assert prepare_gpu.plan_prompt_graph_sizes(directory, plan) == PROMPT_GRAPH_BUCKETS
     fp8_plan = msgspec.structs.replace(plan, online_fp8=DECODER_PROJECTIONS)
-    assert compile_cache.plan_prompt_graph_sizes(directory, fp8_plan) == FP8_PROMPT_GRAPH_BUCKETS
+    assert prepare_gpu.plan_prompt_graph_sizes(directory, fp8_plan) == FP8_PROMPT_GRAPH_BUCKETS
     smaller = msgspec.structs.replace(fp8_plan, prefill_chunk=512, max_concurrency=16)      # budget 1,040
-    assert compile_cache.plan_prompt_graph_sizes(directory, smaller)[-2:] == (1024, 1536)
+    assert prepare_gpu.plan_prompt_graph_sizes(directory, smaller)[-2:] == (1024, 1536)

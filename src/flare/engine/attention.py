@@ -26,7 +26,7 @@ class AttentionMetadata:
 
     query_start_loc: torch.Tensor  # [B+1] int32: sequence b's new tokens are [query_start_loc[b], query_start_loc[b+1])
     seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new tokens)
-    block_tables: torch.Tensor  # [B, max_pages] int32: the cache pages of each sequence, in order; the rest is padding
+    page_tables: torch.Tensor  # [B, max_pages] int32: the cache pages of each sequence, in order; the rest is padding
     slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset where each new token's K/V is written
     max_query_len: int
     max_seq_len: int
@@ -44,7 +44,7 @@ class AttentionMetadata:
         cls,
         query_lens: list[int],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        page_tables: list[list[int]],
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
@@ -53,14 +53,14 @@ class AttentionMetadata:
         for length in query_lens:
             starts.append(starts[-1] + length)
         slots = []
-        for query_len, seq_len, pages in zip(query_lens, seq_lens, block_tables, strict=True):
+        for query_len, seq_len, pages in zip(query_lens, seq_lens, page_tables, strict=True):
             slots += [pages[pos // page_size] * page_size + pos % page_size for pos in range(seq_len - query_len, seq_len)]
-        width = max((len(pages) for pages in block_tables), default=0)
-        padded = [pages + [0] * (width - len(pages)) for pages in block_tables]
+        width = max((len(pages) for pages in page_tables), default=0)
+        padded = [pages + [0] * (width - len(pages)) for pages in page_tables]
         return cls(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
+            page_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(page_tables), width),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
@@ -116,7 +116,7 @@ class AttentionBackend:
     `forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], kv_cache, meta, scale) -> [T, Hq, D]`:
     first write the new `key`/`value` into `kv_cache [2, num_pages, page_size, Hkv, D]` at
     `meta.slot_mapping`, then, for each sequence b, let its `q_len` new queries attend causally over its
-    whole context of `meta.seq_lens[b]` tokens, read from the pages `meta.block_tables[b]`: query i sits
+    whole context of `meta.seq_lens[b]` tokens, read from the pages `meta.page_tables[b]`: query i sits
     at position `seq_lens[b] - q_len + i` and sees keys at positions up to and including its own.
     Query heads share KV heads in groups (`Hq // Hkv` consecutive query heads per KV head). Scores are
     multiplied by `scale`; the softmax runs in float32; the output has the query's dtype.
@@ -136,7 +136,7 @@ class TorchReferenceBackend(AttentionBackend):
         starts = meta.query_start_loc.tolist()
         for b, seq_len in enumerate(meta.seq_lens.tolist()):
             start, end = starts[b], starts[b + 1]
-            keys, values = gather_context(cache, meta.block_tables[b], seq_len)
+            keys, values = gather_context(cache, meta.page_tables[b], seq_len)
             output[start:end] = causal_attention(query[start:end], keys, values, scale)
         return output
 

@@ -23,7 +23,7 @@ from flare.engine.attention import AttentionBackend, AttentionMetadata, fp8_kv_v
 
 
 def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_tables: torch.Tensor,
                         slot_mapping: torch.Tensor, scale: float, max_query_len: int,
                         decode_splits: int, num_decodes: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D], kv_cache [2, pages, page_size, Hkv, D] (or the uint8 FP8
@@ -32,11 +32,11 @@ def run_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     `num_decodes`: the first sequences bring one new token each (0: unknown); `decode_splits` is the
     split-K count of decode and multi-query attention (over the whole batch, or over those first
     sequences)."""
-    return _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+    return _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, page_tables, slot_mapping,
                             scale, max_query_len, decode_splits, num_decodes, out)
 
 
-def _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, scale,
+def _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, page_tables, slot_mapping, scale,
                      max_query_len, decode_splits, num_decodes, out, prompt_kernel=None) -> torch.Tensor:
     """run_paged_attention; `prompt_kernel(query, k_cache, v_cache, out)`, when given (bf16/fp16 caches
     only), computes the prompt rows in place of flash_prefill (the rows of sequences `num_decodes`.. of `out`)."""
@@ -54,23 +54,23 @@ def _paged_attention(query, key, value, kv_cache, query_start_loc, seq_lens, blo
         write_kv(key.to(kv_cache.dtype), value.to(kv_cache.dtype), k_cache, v_cache, slot_mapping)
     queries = uniform_query_len(query.shape[0], seq_lens.shape[0], max_query_len)
     if queries == 1:
-        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, out,
+        return decode_attention(query, k_cache, v_cache, page_tables, seq_lens, scale, decode_splits, out,
                                 **scales)
     if 1 < queries <= MAX_QUERY_TOKENS:
-        return multi_query_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, decode_splits, out,
+        return multi_query_attention(query, k_cache, v_cache, page_tables, seq_lens, scale, decode_splits, out,
                                      **scales)
     if num_decodes == 0 and prompt_kernel is None:
-        return flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+        return flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, page_tables, scale,
                                        max_query_len=max_query_len, out=out, **scales)
     out = torch.empty_like(query) if out is None else out
     if num_decodes:
-        decode_attention(query[:num_decodes], k_cache, v_cache, block_tables[:num_decodes], seq_lens[:num_decodes],
+        decode_attention(query[:num_decodes], k_cache, v_cache, page_tables[:num_decodes], seq_lens[:num_decodes],
                          scale, decode_splits, out=out[:num_decodes], **scales)
     if prompt_kernel is not None:
         return prompt_kernel(query, k_cache, v_cache, out)
     # Not slices of the metadata: offset pointers would change the kernel's alignment specialization
     # with every count of decodes, each one a compile in the middle of serving.
-    flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+    flash_prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, page_tables, scale,
                             max_query_len=max_query_len, out=out, first_seq=num_decodes, **scales)
     return out
 
@@ -91,7 +91,7 @@ paged_attention = torch.library.custom_op("flare::paged_attention", mutates_args
 
 
 @paged_attention.register_fake
-def _paged_attention_shape(query, key, value, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+def _paged_attention_shape(query, key, value, kv_cache, query_start_loc, seq_lens, page_tables, slot_mapping,
                            scale, max_query_len, decode_splits, num_decodes=0):
     return torch.empty_like(query)
 
@@ -134,7 +134,7 @@ class TritonBackend(AttentionBackend):
             if out is not None:
                 raise ValueError("attend(out=...) is for eager callers; traced code takes the operator's result")
             return paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
+                                   meta.page_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
                                    meta.num_decodes)
         prompt = None
         # Not for the FP8 cache: its per-token scales are read by our kernel only.
@@ -142,5 +142,5 @@ class TritonBackend(AttentionBackend):
             def prompt(q, k_cache, v_cache, result):
                 return self.prompt_kernel.attend(q, k_cache, v_cache, meta, scale, result)
         return _paged_attention(query, key, value, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                meta.block_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
+                                meta.page_tables, meta.slot_mapping, scale, meta.max_query_len, splits,
                                 meta.num_decodes, out, prompt)

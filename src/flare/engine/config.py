@@ -1,8 +1,8 @@
 """The engine's own settings: batch shape, decode graph sizes, KV pages, length limits, scheduler policy and
 speculation.
 
-Frozen: built once per engine. `engine_config_for_pool` turns a startup KV pool sizing
-(`flare.estimate.size_kv_pool`) into an EngineConfig that says which limit bound the pool.
+Frozen: built once per engine, by `engine_config_for_pool` from a page supply (a startup KV pool sizing,
+`flare.estimate.size_kv_pool`, or a fixed count); derived values are properties.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ class EngineConfig:
     scheduler_policy: SchedulerPolicy = field(default_factory=SchedulerPolicy)
     prepared_concurrency: int | None = None   # the package's captured capacity; None: no package
     kv_pool_limited_by: KVPoolLimit = "memory"   # what bound num_pages at startup (for the report)
-    # The decode batch sizes the runner captures as graphs: a package's plan records them
-    # (`recipes.base.decode_capacities_for`); empty means the standard catalog for max_concurrency.
-    decode_graph_sizes: tuple[int, ...] = ()
+    # The decode batch sizes asked for: a package's plan records them (`recipes.base.decode_capacities_for`);
+    # empty: the standard catalog for max_concurrency. The runner captures `decode_graph_sizes`.
+    decode_graph_catalog: tuple[int, ...] = ()
     # The token-count buckets of prompt-carrying and mixed steps captured as piecewise graphs
     # (flare.engine.prompt_graphs); a plan records them once export checked them on the GPU. Empty: eager.
     prompt_graph_sizes: tuple[int, ...] = ()
@@ -42,11 +42,11 @@ class EngineConfig:
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
 
     def __post_init__(self) -> None:
-        self._settle_graph_sizes()
         for name in ("max_concurrency", "page_size", "num_pages", "prefill_chunk",
                      "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise UsageError(f"engine setting {name} must be at least 1, got {getattr(self, name)}")
+        self._check_graph_sizes()
         if self.prepared_concurrency is not None and self.max_concurrency > self.prepared_concurrency:
             raise UsageError(
                 f"--max-concurrency {self.max_concurrency} exceeds the package's prepared concurrency "
@@ -67,27 +67,30 @@ class EngineConfig:
                 f"{self.page_size}), fewer than max_model_len {self.max_model_len}; "
                 "add pages or lower max_model_len")
 
-    def _settle_graph_sizes(self) -> None:
-        from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
-
-        if self.max_concurrency < 1:
-            return                                 # reported with the other settings below
-        sizes = tuple(self.decode_graph_sizes)
-        if not sizes:
-            if self.max_concurrency > DECODE_CAPACITIES[-1]:
-                raise UsageError(f"engine setting max_concurrency {self.max_concurrency} exceeds the largest "
-                                 f"standard decode graph ({DECODE_CAPACITIES[-1]}); give decode_graph_sizes")
-            sizes = decode_capacities_for(DECODE_CAPACITIES, self.max_concurrency)
+    def _check_graph_sizes(self) -> None:
+        sizes = self.decode_graph_sizes
         if list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise UsageError(f"decode_graph_sizes {list(sizes)} must be distinct positive sizes in rising order")
-        prompt = tuple(self.prompt_graph_sizes)
-        if prompt and (list(prompt) != sorted(set(prompt)) or prompt[0] < 1):
-            raise UsageError(f"prompt_graph_sizes {list(prompt)} must be distinct positive sizes in rising order")
-        object.__setattr__(self, "prompt_graph_sizes", prompt)
         if sizes[-1] < self.max_concurrency:
             raise UsageError(f"decode_graph_sizes {list(sizes)} hold at most {sizes[-1]} requests, fewer than "
                              f"max_concurrency {self.max_concurrency}")
-        object.__setattr__(self, "decode_graph_sizes", sizes)   # settled once, while it is built
+        prompt = self.prompt_graph_sizes
+        if not isinstance(prompt, tuple) or (prompt and (list(prompt) != sorted(set(prompt)) or prompt[0] < 1)):
+            raise UsageError(f"prompt_graph_sizes {list(prompt)} must be a tuple of distinct positive sizes in "
+                             "rising order")
+
+    @property
+    def decode_graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes the runner captures as graphs: `decode_graph_catalog`, or the standard
+        catalog up to max_concurrency."""
+        from flare.recipes.base import DECODE_CAPACITIES, decode_capacities_for
+
+        if self.decode_graph_catalog:
+            return tuple(self.decode_graph_catalog)
+        if self.max_concurrency > DECODE_CAPACITIES[-1]:
+            raise UsageError(f"engine setting max_concurrency {self.max_concurrency} exceeds the largest "
+                             f"standard decode graph ({DECODE_CAPACITIES[-1]}); give decode_graph_catalog")
+        return decode_capacities_for(DECODE_CAPACITIES, self.max_concurrency)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -98,6 +101,16 @@ class EngineConfig:
         return -(-self.max_model_len // self.page_size)
 
 
+@dataclass(frozen=True)
+class PageSupply:
+    """KV pages an engine gets: a startup pool (`flare.memory.KVPool` has the same fields), or a fixed
+    count (export's warm-up, tests and local runs)."""
+
+    pages: int
+    page_size: int
+    limited_by: str = "memory"
+
+
 def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int, prefill_chunk: int,
                            max_num_batched_tokens: int | None = None,
                            prepared_concurrency: int | None = None,
@@ -106,7 +119,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                            decode_graph_sizes: tuple[int, ...] = (),
                            prompt_graph_sizes: tuple[int, ...] = (),
                            speculation: SpeculationSettings | None = None) -> EngineConfig:
-    """The EngineConfig for a KV pool sized at startup (`flare.memory.KVPool`: pages, page_size, limited_by).
+    """The EngineConfig for a KV pool (`PageSupply`, or a `flare.memory.KVPool` sized at startup: pages,
+    page_size, limited_by): the one place an engine's settings are derived.
 
     The pool is the shared page supply for active requests and cached history. The served context is
     the prepared context, or what the pool holds if that is less (spec §4 "Context limit"), so one
@@ -122,8 +136,16 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                         enable_prefix_caching=enable_prefix_caching,
                         scheduler_policy=scheduler_policy or SchedulerPolicy(),
                         prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by,
-                        decode_graph_sizes=decode_graph_sizes, prompt_graph_sizes=prompt_graph_sizes,
+                        decode_graph_catalog=tuple(decode_graph_sizes), prompt_graph_sizes=tuple(prompt_graph_sizes),
                         speculation=speculation or SpeculationSettings())
+
+
+def local_engine_config(max_position_embeddings: int) -> EngineConfig:
+    """A modest configuration for tests and local runs of a checkpoint: 8 requests of up to 2048 tokens each."""
+    context = min(max_position_embeddings, 2048)
+    page_size = 16
+    return engine_config_for_pool(PageSupply(8 * -(-context // page_size), page_size), max_concurrency=8,
+                                  prepared_context=context, prefill_chunk=512, max_num_batched_tokens=2048)
 
 
 # Token buckets of the prompt graphs, up to 512 tokens. Above that a step's GPU work hides its launches:

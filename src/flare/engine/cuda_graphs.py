@@ -103,7 +103,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(largest, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(largest, slots.max_pages, dtype=torch.int32, device=device)
+        self.page_tables = torch.zeros(largest, slots.max_pages, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         words = -(-slots.sampler.vocab_size // 32) if slots.sampler is not None else 1
         self.bitmask = torch.full((largest, words), -1, dtype=torch.int32, device=device)
@@ -131,7 +131,7 @@ class DecodeGraphs:
 
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+            page_tables=self.page_tables[:size], slot_mapping=self.slot_mapping[:size],
             max_query_len=1, max_seq_len=self.max_seq_len, page_size=self.page_size)
 
     def _derive(self, size: int) -> None:
@@ -139,7 +139,7 @@ class DecodeGraphs:
         slots, positions, host_ids = self.rows[:, :size]
         sampled = self.slots.last_sampled.index_select(0, slots)
         self.input_ids[:size].copy_(torch.where(host_ids == FROM_LAST_SAMPLED, sampled, host_ids))
-        tables = self.block_tables[:size]
+        tables = self.page_tables[:size]
         torch.index_select(self.slots.page_tables, 0, slots, out=tables)
         pages = tables.gather(1, (positions // self.page_size)[:, None])[:, 0]
         self.slot_mapping[:size].copy_(pages.to(torch.int64) * self.page_size + positions % self.page_size)

@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flare.engine.config import EngineConfig
+from flare.engine.config import EngineConfig, local_engine_config
 from flare.errors import UsageError
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     report(WeightsLoaded(time.perf_counter() - started))
     eos = merge_token_ids(model_config.eos_token_ids, generation_eos_token_ids(directory), extra_eos_token_ids)
     if engine_config is None:
-        engine_config = default_engine_config(model_config.max_position_embeddings)
+        engine_config = local_engine_config(model_config.max_position_embeddings)
     draft = None
     if engine_config.speculation.draft_model and engine_config.speculation.draft_tokens:
         draft = load_draft_model(directory, model_config, getattr(torch, dtype), device, target=model)
@@ -168,14 +168,6 @@ def attention_backend(device: str, head_dim: int = 128):
     from flare.engine.attention import TorchReferenceBackend
 
     return TorchReferenceBackend()
-
-
-def default_engine_config(max_position_embeddings: int) -> EngineConfig:
-    """A modest configuration for tests and local runs: 8 requests of up to 2048 tokens each."""
-    max_model_len = min(max_position_embeddings, 2048)
-    page_size = 16
-    return EngineConfig(max_concurrency=8, page_size=page_size, num_pages=8 * -(-max_model_len // page_size),
-                        prefill_chunk=512, max_num_batched_tokens=2048, max_model_len=max_model_len)
 
 
 def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Callable[[], Any] | None = None):

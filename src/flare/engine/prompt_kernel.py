@@ -73,7 +73,7 @@ def _time_case(flashinfer, lengths, device, dtype, num_heads: int, num_kv_heads:
     ours, theirs = torch.empty_like(query), torch.empty_like(query)
 
     def triton_kernel():
-        flash_prefill_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        flash_prefill_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables,
                                 scale, max_query_len=meta.max_query_len, out=ours)
 
     def flashinfer_kernel():

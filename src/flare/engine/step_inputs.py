@@ -94,7 +94,7 @@ def flat_metadata(slots: BatchSlots, page_size: int, lens: np.ndarray, seq_lens:
     width = int(-(-seq_lens.max() // page_size))
     return AttentionMetadata(
         query_start_loc=query_start.to(torch.int32), seq_lens=seq_lens_d.to(torch.int32),
-        block_tables=slots.page_tables[:, :width].index_select(0, row_slots),
+        page_tables=slots.page_tables[:, :width].index_select(0, row_slots),
         slot_mapping=slots.page_tables[token_slots, positions // page_size].to(torch.int64) * page_size
         + positions % page_size,
         max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), page_size=page_size,

@@ -8,7 +8,7 @@ split rather than once per query head.
 Shapes (T = batch, one token each):
     q            [B, Hq, D]                    last dim contiguous
     k_cache      [num_pages, page_size, Hkv, D]  (layer cache[0]); v_cache likewise (layer cache[1])
-    block_tables [B, max_pages] int32          page ids of each sequence, in order
+    page_tables [B, max_pages] int32          page ids of each sequence, in order
     seq_lens     [B] int32                     context length including the new token (0: padding, gives 0)
     out          [B, Hq, D]                    same dtype as q
     k_scale      [num_pages, page_size, Hkv] float32, with an FP8 cache (k_cache/v_cache float8_e4m3fn):
@@ -50,17 +50,17 @@ def online_softmax_step(acc, m, l, scores, v):
     return acc, m_new, l
 
 
-# The split count, and the strides that follow from it and from the block table's width, vary between
+# The split count, and the strides that follow from it and from the page table's width, vary between
 # steps outside the graphs (mixed steps): not specialized, so one compiled variant serves them all.
-@triton.jit(do_not_specialize=["stride_bt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "num_splits"])
+@triton.jit(do_not_specialize=["stride_pt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, page_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale_log2,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_sp, stride_ss,
-    stride_bt,
+    stride_pt,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     num_splits,
@@ -94,7 +94,7 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        pages = tl.load(block_tables_ptr + seq * stride_bt + tokens // PAGE_SIZE,
+        pages = tl.load(page_tables_ptr + seq * stride_pt + tokens // PAGE_SIZE,
                         mask=token_mask, other=0).to(tl.int64)
         offsets = tokens % PAGE_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
@@ -162,7 +162,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+def decode_attention(q, k_cache, v_cache, page_tables, seq_lens, scale: float,
                      num_splits: int, out=None, *, k_scale=None, v_scale=None, block_n: int | None = None,
                      num_warps: int = 4, fp16_math: bool = True, num_stages: int | None = None):
     """Attention of one query token per sequence over its paged context; returns out [B, Hq, D].
@@ -173,7 +173,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
     benchmarks; left out, an FP8 cache takes FP8_BLOCK_N and FP8_NUM_STAGES."""
     import torch
 
-    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    _check_inputs(q, k_cache, v_cache, page_tables, seq_lens)
     check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -195,13 +195,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
     num_stages = num_stages or (FP8_NUM_STAGES if fp8 else None)
     launch = {} if on_cpu else {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, page_tables, seq_lens, mid_o, mid_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        block_tables.stride(0),
+        page_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         num_splits,
@@ -219,7 +219,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
     return out
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+def _check_inputs(q, k_cache, v_cache, page_tables, seq_lens) -> None:
     import torch
 
     if q.dim() != 3:
@@ -235,14 +235,14 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head dimension")
-    if block_tables.dim() != 2 or block_tables.shape[0] < batch or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [B, max_pages], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
+    if page_tables.dim() != 2 or page_tables.shape[0] < batch or page_tables.dtype != torch.int32:
+        raise ValueError(f"page_tables must be int32 [B, max_pages], got {page_tables.dtype} "
+                         f"{tuple(page_tables.shape)}")
+    if page_tables.stride(1) != 1:
+        raise ValueError("page_tables rows must be contiguous")
     if seq_lens.dim() != 1 or seq_lens.shape[0] < batch or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("page_tables", page_tables),
                          ("seq_lens", seq_lens)):
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
@@ -276,7 +276,7 @@ def gathered_kv(cache, scales, pages, length: int):
     return values * scales[pages].reshape(-1, num_kv_heads)[:length, :, None]
 
 
-def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float, k_scale=None,
+def decode_attention_reference(q, k_cache, v_cache, page_tables, seq_lens, scale: float, k_scale=None,
                                v_scale=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
     import torch
@@ -286,7 +286,7 @@ def decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scal
     out = torch.empty_like(q)
     for seq in range(batch):
         length = int(seq_lens[seq])
-        pages = block_tables[seq, : (length + page_size - 1) // page_size].long()
+        pages = page_tables[seq, : (length + page_size - 1) // page_size].long()
         k = gathered_kv(k_cache, k_scale, pages, length)
         v = gathered_kv(v_cache, v_scale, pages, length)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]

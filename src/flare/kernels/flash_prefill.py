@@ -7,7 +7,7 @@ differs is how the work is laid out for SM90:
 
 * Large tiles: 128 query rows against 64-128 keys per step, so each K/V tile read from L2 feeds 128
   rows of tensor-core work; a key tile spans several pages (page size 16), its page ids gathered from
-  the block table per tile, and the loads are plain pointer gathers that Triton's software pipeliner
+  the page table per tile, and the loads are plain pointer gathers that Triton's software pipeliner
   turns into `cp.async` stages (`num_stages`) feeding `wgmma`. TMA cannot fetch a tile whose rows
   come from scattered pages on Hopper (TMA gather is Blackwell's), so K/V are not descriptor loads.
 * The softmax works in base 2 with the scale folded into one multiply-add per score
@@ -26,7 +26,7 @@ The launch knobs (tiles, warps, stages) default to the best measured configurati
 `benchmarks/prefill_attention_bench.py` sweeps them on the GPU and prints the winner.
 
 Shapes: as flare.kernels.prefill_attention (q [T, Hq, D]; caches [num_pages, page_size, Hkv, D];
-query_start_loc [B+1] int32; seq_lens [B] int32; block_tables [B, max_pages] int32; out [T, Hq, D]).
+query_start_loc [B+1] int32; seq_lens [B] int32; page_tables [B, max_pages] int32; out [T, Hq, D]).
 """
 
 from __future__ import annotations
@@ -59,17 +59,17 @@ INTERPRETER_DEFAULT = FlashConfig(block_m=16, block_n=16, num_warps=4, num_stage
 
 
 @triton.jit
-def _key_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head, tokens, dims, limit,
+def _key_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, kv_head, tokens, dims, limit,
               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_sp, stride_ss,
               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, FP8_KV: tl.constexpr):
-    """K [BLOCK_N, BLOCK_D], V [BLOCK_N, BLOCK_D] of `tokens` (gathered through the block table) and,
+    """K [BLOCK_N, BLOCK_D], V [BLOCK_N, BLOCK_D] of `tokens` (gathered through the page table) and,
     for an FP8 cache, their scales [BLOCK_N] (ones otherwise). MASKED: tokens >= limit read as zero."""
     if MASKED:
         token_mask = tokens < limit
-        pages = tl.load(block_table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+        pages = tl.load(page_table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
     else:
-        pages = tl.load(block_table_ptr + tokens // PAGE_SIZE).to(tl.int64)
+        pages = tl.load(page_table_ptr + tokens // PAGE_SIZE).to(tl.int64)
     offsets = tokens % PAGE_SIZE
     k_rows = pages * stride_kp + offsets * stride_ks + kv_head * stride_kh
     v_rows = pages * stride_vp + offsets * stride_vs + kv_head * stride_vh
@@ -103,7 +103,7 @@ def _key_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head, tokens, di
 
 
 @triton.jit
-def _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head, start, end, limit,
+def _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, kv_head, start, end, limit,
             qk_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_sp, stride_ss,
             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
             MASKED: tl.constexpr, FP8_KV: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -112,7 +112,7 @@ def _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_p
     dims = tl.arange(0, BLOCK_D)
     for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         tokens = n0 + tl.arange(0, BLOCK_N)
-        k, v, k_scale, v_scale = _key_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head, tokens, dims,
+        k, v, k_scale, v_scale = _key_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, kv_head, tokens, dims,
                                            limit, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                                            stride_sp, stride_ss, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED,
                                            FP8_KV)
@@ -141,15 +141,15 @@ def _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_p
 
 # Integer arguments that vary from step to step are not specialized: every value would otherwise
 # compile its own variant in the middle of serving.
-@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
+@triton.jit(do_not_specialize=["first_seq", "stride_pt"])
 def _flash_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, page_tables_ptr,
     qk_scale_log2, first_seq,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_sp, stride_ss,
-    stride_bt,
+    stride_pt,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_KV: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -178,12 +178,12 @@ def _flash_prefill_kernel(
         # query are visible to none.
         unmasked_end = (prefix_len + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
         kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_M)
-        block_table_ptr = block_tables_ptr + seq * stride_bt
-        acc, m, l = _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head,
+        page_table_ptr = page_tables_ptr + seq * stride_pt
+        acc, m, l = _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, kv_head,
                             0, unmasked_end, kv_end, qk_scale_log2, stride_kp, stride_ks, stride_kh,
                             stride_vp, stride_vs, stride_vh, stride_sp, stride_ss,
                             PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, False, FP8_KV, NUM_STAGES)
-        acc, m, l = _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head,
+        acc, m, l = _attend(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, kv_head,
                             unmasked_end, kv_end, kv_end, qk_scale_log2, stride_kp, stride_ks, stride_kh,
                             stride_vp, stride_vs, stride_vh, stride_sp, stride_ss,
                             PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, True, FP8_KV, NUM_STAGES)
@@ -199,7 +199,7 @@ def default_config(q) -> FlashConfig:
     return FLOAT32_DEFAULT if q.element_size() > 2 else GPU_DEFAULT
 
 
-def flash_prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
+def flash_prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, page_tables, scale: float,
                             max_query_len: int, out=None, *, first_seq: int = 0, k_scale=None, v_scale=None,
                             config: FlashConfig | None = None):
     """Causal attention of each sequence's new tokens over its paged context; returns out [T, Hq, D].
@@ -208,7 +208,7 @@ def flash_prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, bloc
     of `out` are not written. k_scale/v_scale come with an FP8 cache. `config`: the launch (benchmarks)."""
     import torch
 
-    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, page_tables)
     check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -231,13 +231,13 @@ def flash_prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, bloc
     grid = (num_heads, triton.cdiv(max_query_len, config.block_m), batch - first_seq)
     _flash_prefill_kernel[grid](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, query_start_loc, seq_lens,
-        block_tables,
+        page_tables,
         scale * LOG2E, first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        block_tables.stride(0),
+        page_tables.stride(0),
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n, FP8_KV=fp8,
         NUM_STAGES=config.num_stages, **launch,

@@ -10,7 +10,7 @@ FlashInfer describes a batch by CSR arrays: `qo_indptr` (where each sequence's q
 `kv_indptr` (where its pages start in one flat list of page ids) and `last_page_len` (how full its last
 page is). `plan_inputs` derives them, on the host, from the step's host copies of the query starts and
 context lengths (`AttentionMetadata.host_query_start`, `host_seq_lens`); the page ids themselves are
-read out of the step's block table on the device, so no page table crosses to the host. FlashInfer's
+read out of the step's page table on the device, so no page table crosses to the host. FlashInfer's
 `plan` (host-side scheduling of the work over the SMs, and a copy of it to the device) runs once per
 step, on the first layer's call; the other layers reuse it.
 
@@ -58,14 +58,14 @@ class PagedPlanInputs:
     qo_indptr: np.ndarray       # [n + 1]: sequence i's queries are rows [qo_indptr[i], qo_indptr[i+1]) of the slice
     kv_indptr: np.ndarray       # [n + 1]: its pages are entries [kv_indptr[i], kv_indptr[i+1]) of the page list
     last_page_len: np.ndarray   # [n]: tokens in its last page (1..page_size)
-    page_positions: np.ndarray  # [kv_indptr[-1]]: each listed page's index into the block table, flattened
+    page_positions: np.ndarray  # [kv_indptr[-1]]: each listed page's index into the page table, flattened
     first_row: int              # the step's row where the first of these sequences' queries start
 
 
 def plan_inputs(query_start: np.ndarray, seq_lens: np.ndarray, first_seq: int, page_size: int,
                 table_width: int) -> PagedPlanInputs:
     """The CSR arrays of sequences `first_seq`.. of a step whose query starts are `query_start` [B+1] and
-    context lengths (after the step) `seq_lens` [B], over a block table `table_width` pages wide."""
+    context lengths (after the step) `seq_lens` [B], over a page table `table_width` pages wide."""
     query_start = np.asarray(query_start, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)[first_seq:]
     if len(query_start) != first_seq + len(seq_lens) + 1:
@@ -75,7 +75,7 @@ def plan_inputs(query_start: np.ndarray, seq_lens: np.ndarray, first_seq: int, p
     pages = -(-seq_lens // page_size)
     if len(pages) and pages.max() > table_width:
         raise ValueError(f"a sequence of {int(seq_lens.max())} tokens needs {int(pages.max())} pages; "
-                         f"the block table holds {table_width}")
+                         f"the page table holds {table_width}")
     kv_indptr = np.zeros(len(pages) + 1, dtype=np.int64)
     np.cumsum(pages, out=kv_indptr[1:])
     rows = np.repeat(np.arange(first_seq, first_seq + len(pages)), pages)
@@ -129,9 +129,9 @@ class FlashInferPrefill:
             self._wrapper = self._new_wrapper()
         page_size = k_cache.shape[1]
         inputs = plan_inputs(meta.host_query_start, meta.host_seq_lens, meta.num_decodes, page_size,
-                             meta.block_tables.shape[1])
-        positions = torch.from_numpy(inputs.page_positions).to(meta.block_tables.device, non_blocking=True)
-        page_ids = meta.block_tables.reshape(-1).index_select(0, positions)
+                             meta.page_tables.shape[1])
+        positions = torch.from_numpy(inputs.page_positions).to(meta.page_tables.device, non_blocking=True)
+        page_ids = meta.page_tables.reshape(-1).index_select(0, positions)
         self._wrapper.plan(torch.from_numpy(inputs.qo_indptr), torch.from_numpy(inputs.kv_indptr), page_ids,
                            torch.from_numpy(inputs.last_page_len), query.shape[1], k_cache.shape[2],
                            query.shape[2], page_size, causal=True, sm_scale=scale, q_data_type=query.dtype,

@@ -13,7 +13,7 @@ keys up to its own position (causal among the new tokens).
 Shapes (B sequences, Q new tokens each, T = B * Q):
     q            [T, Hq, D]                    sequence b's tokens are q[b * Q : (b + 1) * Q]
     k_cache      [num_pages, page_size, Hkv, D]  (layer cache[0]); v_cache likewise (layer cache[1])
-    block_tables [B, max_pages] int32
+    page_tables [B, max_pages] int32
     seq_lens     [B] int32                     context length after this step, the Q new tokens included
     out          [T, Hq, D]                    q's dtype
     k_scale      [num_pages, page_size, Hkv] float32 with an FP8 cache (see flare.kernels.decode_attention)
@@ -29,15 +29,15 @@ from flare.kernels.decode_attention import LOG2E, _check_inputs, _decode_reduce_
 MAX_QUERY_TOKENS = 16          # the backend sends uniform steps of up to this many tokens per sequence here
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stride_mot", "stride_moh", "stride_mlt", "stride_mlh", "num_splits"])
+@triton.jit(do_not_specialize=["stride_pt", "stride_mot", "stride_moh", "stride_mlt", "stride_mlh", "num_splits"])
 def _multi_query_split_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, page_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_sp, stride_ss,
-    stride_bt,
+    stride_pt,
     stride_mot, stride_moh, stride_mos,
     stride_mlt, stride_mlh,
     num_splits,
@@ -71,7 +71,7 @@ def _multi_query_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        pages = tl.load(block_tables_ptr + seq * stride_bt + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+        pages = tl.load(page_tables_ptr + seq * stride_pt + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
         offsets = tokens % PAGE_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_ptr + pages[:, None] * stride_kp + offsets[:, None] * stride_ks + kv_head * stride_kh
@@ -106,7 +106,7 @@ def _multi_query_split_kernel(
     tl.store(mid_lse_ptr + token * stride_mlt + heads * stride_mlh + split, lse, mask=row_mask)
 
 
-def multi_query_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_splits: int,
+def multi_query_attention(q, k_cache, v_cache, page_tables, seq_lens, scale: float, num_splits: int,
                           out=None, *, k_scale=None, v_scale=None, block_n: int | None = None,
                           num_warps: int = 4, num_stages: int | None = None):
     """Attention of Q = T // B new tokens per sequence over its paged context, causal among them;
@@ -119,7 +119,7 @@ def multi_query_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     if batch == 0 or q.shape[0] % batch:
         raise ValueError(f"q has {q.shape[0]} tokens, not the same number for each of {batch} sequences")
     queries = q.shape[0] // batch
-    _check_inputs(q[::queries], k_cache, v_cache, block_tables, seq_lens)
+    _check_inputs(q[::queries], k_cache, v_cache, page_tables, seq_lens)
     check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -137,13 +137,13 @@ def multi_query_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     launch = {} if on_cpu else {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     fp8 = k_scale is not None
     _multi_query_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, block_tables, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, page_tables, seq_lens, mid_o, mid_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        block_tables.stride(0),
+        page_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         num_splits,
@@ -162,7 +162,7 @@ def multi_query_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: fl
     return out
 
 
-def multi_query_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale: float, k_scale=None,
+def multi_query_attention_reference(q, k_cache, v_cache, page_tables, seq_lens, scale: float, k_scale=None,
                                     v_scale=None):
     """The same function in plain torch: prefill attention's reference with Q tokens per sequence."""
     import torch
@@ -172,5 +172,5 @@ def multi_query_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
     batch = seq_lens.shape[0]
     queries = q.shape[0] // batch
     query_start_loc = torch.arange(0, (batch + 1) * queries, queries, dtype=torch.int32, device=q.device)
-    return prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+    return prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, page_tables, scale,
                                        k_scale=k_scale, v_scale=v_scale)

@@ -10,7 +10,7 @@ Shapes (T = new tokens in the batch, B = sequences):
     k_cache         [num_pages, page_size, Hkv, D]  (layer cache[0]); v_cache likewise (layer cache[1])
     query_start_loc [B + 1] int32                   sequence b's new tokens are q[qsl[b]:qsl[b+1]]
     seq_lens        [B] int32                       context length after this step
-    block_tables    [B, max_pages] int32
+    page_tables    [B, max_pages] int32
     out             [T, Hq, D]                      same dtype as q
     k_scale         [num_pages, page_size, Hkv] float32, with an FP8 cache (float8_e4m3fn k_cache/v_cache,
                     see flare.engine.attention); v_scale likewise. `write_kv_fp8` quantizes new K/V into it.
@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr, kv_head, start, end,
+def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, kv_head, start, end,
                  kv_limit, qk_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                  stride_sp, stride_ss,
                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -39,9 +39,9 @@ def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_ta
         tokens = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
             token_mask = tokens < kv_limit
-            pages = tl.load(block_table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+            pages = tl.load(page_table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
         else:
-            pages = tl.load(block_table_ptr + tokens // PAGE_SIZE).to(tl.int64)
+            pages = tl.load(page_table_ptr + tokens // PAGE_SIZE).to(tl.int64)
         offsets = tokens % PAGE_SIZE
         k_ptrs = k_ptr + pages[:, None] * stride_kp + offsets[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
         v_ptrs = v_ptr + pages[:, None] * stride_vp + offsets[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
@@ -79,15 +79,15 @@ def _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_ta
 
 # Integer arguments that vary from step to step are not specialized: every value would otherwise
 # compile its own variant (1 and multiples of 16 get one each) in the middle of serving.
-@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
+@triton.jit(do_not_specialize=["first_seq", "stride_pt"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, page_tables_ptr,
     qk_scale_log2, first_seq,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_sp, stride_ss,
-    stride_bt,
+    stride_pt,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_KV: tl.constexpr,
 ):
@@ -116,12 +116,12 @@ def _prefill_kernel(
         # query are visible to none.
         unmasked_end = (prefix_len + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
         kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_M)
-        block_table_ptr = block_tables_ptr + seq * stride_bt
-        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr,
+        page_table_ptr = page_tables_ptr + seq * stride_pt
+        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr,
                                  kv_head, 0, unmasked_end, kv_end, qk_scale_log2, stride_kp, stride_ks, stride_kh,
                                  stride_vp, stride_vs, stride_vh, stride_sp, stride_ss, PAGE_SIZE, HEAD_DIM,
                                  BLOCK_D, BLOCK_N, False, HEAD_DIM != BLOCK_D, FP8_KV)
-        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, block_table_ptr,
+        acc, m, l = _attend_keys(acc, m, l, q, positions, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr,
                                  kv_head, unmasked_end, kv_end, kv_end, qk_scale_log2, stride_kp, stride_ks,
                                  stride_kh, stride_vp, stride_vs, stride_vh, stride_sp, stride_ss, PAGE_SIZE,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, HEAD_DIM != BLOCK_D, FP8_KV)
@@ -193,7 +193,7 @@ def _write_kv_fp8_kernel(
                                + dims[None, :], vs_ptr + scale_offsets, heads, dims, mask, head_mask)
 
 
-def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
+def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, page_tables, scale: float,
                       max_query_len: int, out=None, *, first_seq: int = 0, k_scale=None, v_scale=None,
                       block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None):
@@ -204,7 +204,7 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     tile), num_warps and num_stages are tuning knobs for benchmarks."""
     import torch
 
-    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, page_tables)
     check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -233,13 +233,13 @@ def prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
     fp8 = k_scale is not None
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, query_start_loc, seq_lens,
-        block_tables,
+        page_tables,
         scale * LOG2E, first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        block_tables.stride(0),
+        page_tables.stride(0),
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, FP8_KV=fp8, **launch,
     )
@@ -301,7 +301,7 @@ def write_kv_fp8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None
     )
 
 
-def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, page_tables) -> None:
     import torch
 
     if q.dim() != 3:
@@ -321,17 +321,17 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) 
     if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (batch + 1,):
         raise ValueError(f"query_start_loc must be int32 [{batch + 1}], got {query_start_loc.dtype} "
                          f"{tuple(query_start_loc.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] < batch or block_tables.dtype != torch.int32 \
-            or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be int32 [B, max_pages] with contiguous rows, got "
-                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if page_tables.dim() != 2 or page_tables.shape[0] < batch or page_tables.dtype != torch.int32 \
+            or page_tables.stride(1) != 1:
+        raise ValueError(f"page_tables must be int32 [B, max_pages] with contiguous rows, got "
+                         f"{page_tables.dtype} {tuple(page_tables.shape)}")
     for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("query_start_loc", query_start_loc),
-                         ("seq_lens", seq_lens), ("block_tables", block_tables)):
+                         ("seq_lens", seq_lens), ("page_tables", page_tables)):
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
 
 
-def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, page_tables,
                                 scale: float, k_scale=None, v_scale=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
     import torch
@@ -342,7 +342,7 @@ def prefill_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, 
     for seq in range(seq_lens.shape[0]):
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         length = int(seq_lens[seq])
-        pages = block_tables[seq, : (length + page_size - 1) // page_size].long()
+        pages = page_tables[seq, : (length + page_size - 1) // page_size].long()
         k = gathered_kv(k_cache, k_scale, pages, length)
         v = gathered_kv(v_cache, v_scale, pages, length)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)          # [L, Hq, D]

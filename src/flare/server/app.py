@@ -17,9 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from flare.engine.stats import EngineStats
+from flare.engine_client.protocol import EngineClient
 from flare.server import error_handlers, openapi, routes
 from flare.server.auth import PUBLIC_PATHS, is_authorized
 from flare.server.errors import APIError, error_body, family_for_path
+from flare.server.frontend import ServingFrontend
 from flare.server.generation import Generation
 from flare.server.metrics import ServerMetrics
 from flare.server.settings import ServerSettings
@@ -28,7 +30,8 @@ from flare.server.settings import ServerSettings
 class ServingState:
     """What the routes share. `ready` is false while loading and once draining begins (then /health is 503)."""
 
-    def __init__(self, engine: Any, frontend: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient | None, frontend: ServingFrontend | None,
+                 settings: ServerSettings) -> None:
         self.settings = settings
         self.metrics = ServerMetrics(self.engine_stats)
         self.generation = Generation(engine, frontend, settings, self.metrics)
@@ -36,10 +39,10 @@ class ServingState:
         self.draining = False
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> EngineClient | None:
         return self.generation.engine
 
-    def attach_engine(self, engine: Any, frontend: Any) -> None:
+    def attach_engine(self, engine: EngineClient, frontend: ServingFrontend) -> None:
         self.generation.engine = engine
         self.generation.frontend = frontend
         self.ready = True
@@ -100,7 +103,7 @@ EXCEPTION_HANDLERS = (
 )
 
 
-def build_app(engine: Any, frontend: Any, settings: ServerSettings) -> FastAPI:
+def build_app(engine: EngineClient | None, frontend: ServingFrontend | None, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="Flare", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = ServingState(engine, frontend, settings)
     for error_type, handler in EXCEPTION_HANDLERS:

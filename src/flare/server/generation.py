@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 from flare.engine.request import InvalidRequest
 from flare.engine.outputs import RequestOutput, TokenLogprob
 from flare.engine.sampling_params import GrammarSpec, InvalidSamplingParams, SamplingParams
-from flare.engine_client.protocol import EngineDeadError
+from flare.engine_client.protocol import EngineClient, EngineDeadError
 from flare.frontend.grammar import GrammarError, reply_grammar
 from flare.frontend.reasoning import get_reasoning_parser
 from flare.frontend.reply import ReplyReader
@@ -24,6 +24,7 @@ from flare.frontend.tool_parsers import DEFAULT_PARSER, ToolParser, ToolRequest,
 from flare.server.admission import RequestFields, admit
 from flare.server.error_handlers import unexpected
 from flare.server.errors import APIError, bad_request, public_reason
+from flare.server.frontend import ServingFrontend
 from flare.server.limits import LOGIT_BIAS_RANGE, SEED_MIN
 from flare.server.metrics import ServerMetrics
 from flare.server.settings import SAMPLING_CONTROLS, ServerSettings
@@ -95,11 +96,11 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(value for value in values if value)
 
 
-def vocabulary_size(frontend: Any) -> int | None:
+def vocabulary_size(frontend: ServingFrontend) -> int | None:
     return getattr(getattr(frontend, "tokenizer", None), "vocab_size", None)
 
 
-def check_token_ids(frontend: Any, token_ids, param: str) -> None:
+def check_token_ids(frontend: ServingFrontend, token_ids, param: str) -> None:
     size = vocabulary_size(frontend)
     if size is None:
         return
@@ -112,7 +113,7 @@ def _wrap_seed(seed: int) -> int:
     return (seed - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
-def _logit_bias(frontend: Any, raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def _logit_bias(frontend: ServingFrontend, raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     if not raw:
         return ()
     bias = []
@@ -129,7 +130,8 @@ def _logit_bias(frontend: Any, raw: dict[str, float] | None) -> tuple[tuple[int,
 class Generation:
     """Admission, sampling parameters and engine calls, shared by every API route."""
 
-    def __init__(self, engine: Any, frontend: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient | None, frontend: ServingFrontend | None, settings: ServerSettings,
+                 metrics: ServerMetrics) -> None:
         self.engine = engine
         self.frontend = frontend
         self.settings = settings

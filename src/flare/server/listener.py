@@ -15,7 +15,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from flare.engine_client.protocol import EngineClient
 from flare.errors import UsageError
+from flare.server.frontend import ServingFrontend
 from flare.server.settings import ServerSettings
 
 
@@ -66,7 +68,7 @@ def _in_use(host: str, port: int, error: OSError) -> UsageError:
                       "or stop the process using it")
 
 
-def run_http(engine: Any, frontend: Any, settings: ServerSettings, listener: Listener, stream: TextIO,
+def run_http(engine: EngineClient, frontend: ServingFrontend, settings: ServerSettings, listener: Listener, stream: TextIO,
              dashboard: Any = None) -> int:
     """Serve until a signal drains the server or the engine core dies; returns the exit status.
     `dashboard` (flare.ui.dashboard.Dashboard) is live meanwhile."""

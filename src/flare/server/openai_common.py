@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from flare.engine.outputs import TokenLogprob
 from flare.server import sse
+from flare.server.frontend import ServingFrontend
 from flare.server.generation import RequestedSampling, stop_strings
 from flare.server.schemas import SamplingFields
 
@@ -17,12 +18,12 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
-def token_entry(frontend: Any, token_id: int, logprob: float) -> dict:
+def token_entry(frontend: ServingFrontend, token_id: int, logprob: float) -> dict:
     text = frontend.token_text(token_id)
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(frontend: Any, logprobs: Sequence[TokenLogprob], top_k: int) -> dict:
+def chat_logprobs(frontend: ServingFrontend, logprobs: Sequence[TokenLogprob], top_k: int) -> dict:
     """Chat Completions `logprobs`: one entry per generated token with its `top_logprobs`."""
     content = []
     for entry in logprobs:

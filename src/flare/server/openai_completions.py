@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from flare.engine.outputs import TokenLogprob
 from flare.server import sse
+from flare.server.frontend import ServingFrontend
 from flare.server.admission import RequestFields
 from flare.server.constraints import openai_content_grammar
 from flare.server.errors import bad_request
@@ -50,7 +51,7 @@ def _encode_prompts(gen: Generation, prompt: list) -> list[list[int]]:
 class _LogprobBuilder:
     """The Completions `logprobs` object: parallel lists of tokens, logprobs, top alternatives, offsets."""
 
-    def __init__(self, frontend: Any, top_k: int, text_offset: int = 0) -> None:
+    def __init__(self, frontend: ServingFrontend, top_k: int, text_offset: int = 0) -> None:
         self.frontend = frontend
         self.top_k = top_k
         self.offset = text_offset

@@ -298,7 +298,7 @@ def _choose_prompt_kernel(checkpoint_dir: Path, plan: Plan, device: str):
 def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: PhaseProgress,
                   compile_workers: int | None = None):
     """The tune, compile, allocate, capture and measure phases: on a GPU, a warm-up of the compiled model
-    whose compiled kernels go into the package (flare.engine.compile_cache), then its steps timed for the
+    whose compiled kernels go into the package (flare.prepare.gpu, flare.engine.compile_cache), then its steps timed for the
     plan's step costs; on a CPU, nothing to prepare."""
     with progress.phase("Tune kernels") as phase:
         if device == "cpu":
@@ -316,7 +316,7 @@ def _prepare_code(checkpoint_dir: Path, plan: Plan, device: str, progress: Phase
             with progress.phase(name) as phase:
                 phase.skip(reason)
         return None
-    from flare.engine.compile_cache import prepare_compiled
+    from flare.prepare.gpu import prepare_compiled
     with progress.phase("Compile forward") as phase:
         prepared = prepare_compiled(checkpoint_dir, plan, device, compile_workers)
         size = format_bytes(len(prepared.artifacts.data)) if prepared.artifacts else "nothing"
