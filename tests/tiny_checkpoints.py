@@ -12,7 +12,7 @@ from pathlib import Path
 
 STORIES260K = Path(__file__).resolve().parent / "fixtures" / "stories260k"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v2", "deepseek_v3")
 
 BASE_CONFIG = {
     "vocab_size": 512,
@@ -28,7 +28,16 @@ BASE_CONFIG = {
     "eos_token_id": 2,
     "tie_word_embeddings": False,
 }
-FAMILY_CONFIG = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": None}}
+# DeepSeek: MLA with a 32-wide latent and a 16-wide rotary key (v_head_dim differs from the key's, as a
+# mix-up of the two would show), 8 routed experts (2 a token) and a shared one from the second layer on.
+DEEPSEEK = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 8, "num_experts_per_tok": 2,
+            "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}
+FAMILY_CONFIG = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": None},
+                 "deepseek_v2": {**DEEPSEEK, "q_lora_rank": None, "topk_method": "greedy"},
+                 # V3: a query LoRA, 4 groups of 2 experts of which each token's choice may use 2
+                 "deepseek_v3": {**DEEPSEEK, "q_lora_rank": 48, "n_group": 4, "topk_group": 2,
+                                 "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 0}}
 
 
 def write_tiny_checkpoint(family: str, directory: Path, seed: int = 0, **config_overrides) -> Path:
@@ -66,3 +75,6 @@ def _randomise(model, seed: int) -> None:
                 param.copy_(0.2 * noise)
             else:
                 param.copy_(noise / param.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's router bias (zeros as built)
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=generator))

@@ -216,7 +216,12 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def allocate_kv_caches(cfg, num_pages: int, page_size: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
     """One zeroed cache per layer, `[2, num_pages, page_size, num_kv_heads, head_dim]` in `dtype`; for
-    `cfg.kv_cache_dtype` "fp8" the uint8 FP8 cache described above (zero bytes: values 0, scales 0)."""
+    `cfg.kv_cache_dtype` "fp8" the uint8 FP8 cache described above (zero bytes: values 0, scales 0). A model
+    with latent attention (`cfg.mla`) caches latent rows instead (flare.engine.mla_attention)."""
+    if cfg.mla is not None:
+        from flare.engine.mla_attention import allocate_latent_caches
+
+        return allocate_latent_caches(cfg, num_pages, page_size, dtype, device)
     if cfg.kv_cache_dtype == "fp8":
         shape = (2, num_pages, page_size, cfg.num_key_value_heads * (cfg.head_dim + KV_SCALE_BYTES))
         dtype = torch.uint8

@@ -30,7 +30,8 @@ class CausalLM(nn.Module):
     """A decoder-only language model over a flattened batch with a paged KV cache.
 
     Subclasses build `self.model` (whose `forward(input_ids, positions, kv_caches, meta)` returns
-    the final hidden states `[T, H]`) and `self.lm_head` (an `LMHead`).
+    the final hidden states `[T, H]`) and `self.lm_head` (an `LMHead`). A module with a `finish_loading()`
+    has it called once every tensor is loaded (a layer that converts what it loaded).
     """
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta):
@@ -51,7 +52,7 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         separate_head = None
         for name, tensor in weights:
-            if IGNORED_TENSORS.match(name) or name in unused:
+            if IGNORED_TENSORS.match(name) or name in unused or self.loads_elsewhere(name):
                 continue
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 # Tied embeddings: decided once the embedding is loaded. A copy, because weight sources may
@@ -72,6 +73,14 @@ class CausalLM(nn.Module):
             raise WeightError(f"checkpoint {what} missing; the checkpoint is incomplete")
         if separate_head is not None:
             self._tie_or_untie(separate_head)
+        for module in self.modules():
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
+
+    def loads_elsewhere(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to another model the checkpoint carries (a DeepSeek
+        checkpoint's multi-token-prediction layers: its draft), so this one passes it by."""
+        return False
 
     def _tie_or_untie(self, head: torch.Tensor) -> None:
         # transformers keeps the embeddings tied when the checkpoint's lm_head equals them, and unties otherwise.

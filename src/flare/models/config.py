@@ -7,6 +7,7 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,74 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3), as transformers' DeepseekV2Attention computes it.
+
+    Keys and values of every head come from one compressed latent per token (`kv_lora_rank` wide,
+    RMS-normed) through `kv_b_proj`; a `qk_rope_head_dim` key part carries the rotary position and is
+    shared by all heads. What a token leaves in the cache is that latent and that rotary key:
+    `latent_dim` values per layer (flare.engine.mla_attention).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None         # None: queries through one q_proj (V2-Lite); else q_a_proj, norm, q_b_proj
+    # How the rotary part is rotated: "complex" (V2: pairs (x0, x1), (x2, x3) rotated in float32, output
+    # interleaved), "interleaved" (V3's rope_interleave: pairs rotated in the model dtype, output with the
+    # even results first), "half" (V3 without rope_interleave: the usual rotate-half).
+    rope_layout: str
+    softmax_scale: float            # qk_head_dim^-0.5, times YaRN's mscale_all_dim correction squared
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token caches per layer: the latent and the rotary key (576 for V3's shapes)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DeepseekMoe:
+    """DeepSeekMoE routing and experts (transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter).
+
+    Layers from `first_dense_layers` on replace the MLP with `num_experts` routed experts (each token
+    takes `experts_per_token` of them) beside `num_shared_experts` experts every token takes, run as one
+    MLP `num_shared_experts` x `moe_intermediate_size` wide.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    first_dense_layers: int
+    # "softmax_greedy" (V2 greedy: top-k of the softmax), "softmax_group_limited" (V2
+    # group_limited_greedy: top-k within the `groups_per_token` groups of the highest expert score),
+    # "sigmoid_grouped" (V3: sigmoid scores plus e_score_correction_bias choose, within the groups of the
+    # highest two-expert sums; the weights are the sigmoid scores without the bias)
+    method: str
+    num_groups: int
+    groups_per_token: int
+    normalize: bool                 # norm_topk_prob: chosen weights divided by their sum (V3)
+    scaling_factor: float           # routed_scaling_factor, multiplied into the chosen weights
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one layer's attention call sees: `num_heads` queries of `qk_dim`, `num_kv_heads` keys of
+    `qk_dim` and values of `v_dim`; the output has `num_heads` x `v_dim`. MLA in its absorbed form is one
+    KV head whose key is the cached latent and rotary key, and whose value is the latent."""
+
+    num_heads: int
+    qk_dim: int
+    num_kv_heads: int
+    v_dim: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -58,6 +127,15 @@ class ModelConfig:
     torch_dtype: str | None = None
     fp8: Fp8Weights | None = None         # where projections are FP8 (checkpoint or online); None: none are
     kv_cache_dtype: str = "auto"          # "auto" (the serving dtype) or "fp8" (see flare.models.quantization)
+    mla: MlaConfig | None = None          # DeepSeek's latent attention; None: grouped-query attention
+    deepseek_moe: DeepseekMoe | None = None
+    mtp_layers: int = 0                   # num_nextn_predict_layers: MTP modules after the decoder layers
+
+    @property
+    def attention(self) -> AttentionShape:
+        if self.mla is not None:
+            return AttentionShape(self.num_attention_heads, self.mla.latent_dim, 1, self.mla.kv_lora_rank)
+        return AttentionShape(self.num_attention_heads, self.head_dim, self.num_key_value_heads, self.head_dim)
 
     @property
     def q_size(self) -> int:
@@ -99,7 +177,7 @@ class ModelConfig:
             hidden_size=hf["hidden_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            num_key_value_heads=fields.pop("num_key_value_heads", None) or hf.get("num_key_value_heads") or heads,
             intermediate_size=_required(hf, "intermediate_size"),
             vocab_size=_required(hf, "vocab_size"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -145,12 +223,85 @@ def _qwen3_fields(hf: dict) -> dict:
     return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True, "head_dim": hf.get("head_dim") or 128}
 
 
-FAMILY_FIELDS = {"llama": _llama_fields, "mistral": _mistral_fields, "qwen2": _qwen2_fields, "qwen3": _qwen3_fields}
+def _deepseek_v2_fields(hf: dict) -> dict:
+    # DeepseekV2Attention: rotary pairs rotated as complex numbers in float32; transformers' V2 router
+    # takes the softmax's top-k (greedy, or within the best groups) and never normalizes the weights.
+    if hf.get("norm_topk_prob"):
+        raise UnsupportedModel("this DeepSeek-V2 checkpoint sets norm_topk_prob, which transformers' DeepSeek-V2 "
+                               "router ignores and DeepSeek's own code applies; it is not supported")
+    method = hf.get("topk_method") or "greedy"
+    methods = {"greedy": "softmax_greedy", "group_limited_greedy": "softmax_group_limited"}
+    if method not in methods:
+        raise UnsupportedModel(f"DeepSeek-V2 topk_method {method!r} is not supported; supported: greedy, "
+                               "group_limited_greedy")
+    return _deepseek_fields(hf, "complex", methods[method])
+
+
+def _deepseek_v3_fields(hf: dict) -> dict:
+    # DeepseekV3TopkRouter: sigmoid scores, e_score_correction_bias, grouped top-k ("noaux_tc"); transformers
+    # reads neither scoring_func nor topk_method, so a checkpoint naming others is refused, not misread.
+    for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, expected) != expected:
+            raise UnsupportedModel(f"DeepSeek-V3 {key} {hf[key]!r} is not supported; only {expected!r} runs")
+    layout = "interleaved" if hf.get("rope_interleave", True) else "half"
+    return _deepseek_fields(hf, layout, "sigmoid_grouped", norm_default=True)
+
+
+def _deepseek_fields(hf: dict, rope_layout: str, method: str, norm_default: bool = False) -> dict:
+    """What DeepSeek-V2 and V3 share: MLA and DeepSeekMoE (the V2 defaults are transformers')."""
+    if hf.get("mlp_bias"):
+        raise UnsupportedModel("this checkpoint sets mlp_bias, which is not supported; only bias-free MLPs run")
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise UnsupportedModel(f"moe_layer_freq {hf['moe_layer_freq']} is not supported: transformers puts "
+                               "experts in every layer from first_k_dense_replace on")
+    rope_dim = hf.get("qk_rope_head_dim", 64)
+    nope_dim = hf.get("qk_nope_head_dim", 128)
+    mla = MlaConfig(kv_lora_rank=_required(hf, "kv_lora_rank"), qk_nope_head_dim=nope_dim,
+                    qk_rope_head_dim=rope_dim, v_head_dim=hf.get("v_head_dim") or 128,
+                    q_lora_rank=hf.get("q_lora_rank"), rope_layout=rope_layout,
+                    softmax_scale=mla_softmax_scale(hf, nope_dim + rope_dim))
+    heads = hf["num_attention_heads"]
+    experts = _required(hf, "n_routed_experts")
+    groups = hf.get("n_group") or 1
+    if experts % groups:
+        raise UnsupportedModel(f"{experts} routed experts do not divide into n_group {groups} groups")
+    moe = DeepseekMoe(num_experts=experts, experts_per_token=_required(hf, "num_experts_per_tok"),
+                      moe_intermediate_size=_required(hf, "moe_intermediate_size"),
+                      num_shared_experts=hf.get("n_shared_experts") or 0,
+                      first_dense_layers=hf.get("first_k_dense_replace") or 0, method=method,
+                      num_groups=groups, groups_per_token=hf.get("topk_group") or groups,
+                      normalize=bool(hf.get("norm_topk_prob", norm_default)),
+                      scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+    if moe.method != "softmax_greedy" and not 0 < moe.groups_per_token <= groups:
+        raise UnsupportedModel(f"topk_group {moe.groups_per_token} must be 1 through n_group {groups}")
+    if moe.method == "sigmoid_grouped" and experts // groups < 2:
+        raise UnsupportedModel("DeepSeek-V3 routing scores each group by its best two experts; n_group "
+                               f"{groups} leaves {experts // groups} expert per group")
+    bias = bool(hf.get("attention_bias", False))
+    return {"mla": mla, "deepseek_moe": moe, "head_dim": rope_dim, "num_key_value_heads": heads,
+            "qkv_bias": bias, "o_bias": bias, "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0)}
+
+
+def mla_softmax_scale(hf: dict, qk_head_dim: int) -> float:
+    """transformers' `yarn_apply_mscale`: with any scaled rotary embedding and an mscale_all_dim, the
+    softmax scale is multiplied by YaRN's mscale(factor, mscale_all_dim) squared."""
+    scale = qk_head_dim ** -0.5
+    rope = rope_config(hf)
+    if rope.kind != "default" and rope.mscale_all_dim:
+        mscale = 1.0 if rope.factor <= 1 else 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+FAMILY_FIELDS = {"llama": _llama_fields, "mistral": _mistral_fields, "qwen2": _qwen2_fields, "qwen3": _qwen3_fields,
+                 "deepseek_v2": _deepseek_v2_fields, "deepseek_v3": _deepseek_v3_fields}
 FAMILY_OF_ARCHITECTURE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 

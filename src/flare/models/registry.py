@@ -12,6 +12,8 @@ MODEL_CLASSES = {
     "MistralForCausalLM": "flare.models.mistral",
     "Qwen2ForCausalLM": "flare.models.qwen2",
     "Qwen3ForCausalLM": "flare.models.qwen3",
+    "DeepseekV2ForCausalLM": "flare.models.deepseek",
+    "DeepseekV3ForCausalLM": "flare.models.deepseek",
 }
 
 

@@ -108,3 +108,25 @@ def _yarn_attention_factor(rope: RopeConfig) -> float:
     if rope.mscale and rope.mscale_all_dim:
         return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
     return mscale(rope.factor)
+
+
+def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rotate `x [T, heads, dim]` whose rotary dimensions pair up as (x0, x1), (x2, x3), ... (DeepSeek's
+    layout) by `cos`/`sin [T, dim]` float32 (`RotaryEmbedding`'s, each frequency twice).
+
+    "complex" rotates in float32 and keeps the pairs interleaved, as transformers' DeepSeek-V2 multiplies
+    complex numbers; "interleaved" rotates in x's dtype and puts the first members' results before the
+    second members', as its DeepSeek-V3 `rope_interleave`; "half" is the usual rotate-half (`apply_rotary`).
+    A query and a key rotated alike keep their dot product, so the two layouts serve the same attention."""
+    if layout == "half":
+        return apply_rotary(x, cos, sin)
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    if layout == "complex":
+        first, second = x.float()[..., 0::2], x.float()[..., 1::2]
+        return torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1).flatten(-2).to(x.dtype)
+    if layout == "interleaved":
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        first, second = x[..., 0::2], x[..., 1::2]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    raise ValueError(f"unknown rotary layout {layout!r}")
