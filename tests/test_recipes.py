@@ -46,10 +46,11 @@ def test_hub_checkpoints_declare_repository_revision_and_sizes(recipe, checkpoin
 @pytest.mark.parametrize("recipe,checkpoint", HUB_CHECKPOINTS, ids=_ids(HUB_CHECKPOINTS))
 def test_declared_stored_bytes_follow_from_the_config_shapes(recipe, checkpoint):
     """Each declared size is bfloat16 data for the declared shapes (FP8 projections one byte per weight with
-    bfloat16 scales), with or without a stored output projection; only an unpinned checkpoint may leave
-    its size undeclared."""
+    bfloat16 scales), with or without a stored output projection; only an unpinned checkpoint, or one whose
+    recipe says why (`stored_bytes_note`), may leave its size undeclared."""
     candidates = {weight_bytes(checkpoint.config, stored, scale_bytes=2) for stored in (False, True)}
-    assert checkpoint.stored_bytes in candidates or (checkpoint.stored_bytes is None and checkpoint.revision is None)
+    undeclared = checkpoint.revision is None or checkpoint.stored_bytes_note
+    assert checkpoint.stored_bytes in candidates or (checkpoint.stored_bytes is None and undeclared)
     assert checkpoint.decode_weight_bytes == decode_weight_bytes(checkpoint.config)
     assert checkpoint.decode_weight_bytes <= (checkpoint.stored_bytes or float("inf"))
 

@@ -39,17 +39,29 @@ def run(directory, backend, device, tokens) -> dict[str, list[int]]:
     return chosen
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_triton_backend_greedy_tokens_equal_the_reference_backend(kernel_device, tmp_path, family):
+def backends(family: str):
+    """(the torch reference backend, the Triton backend) of a family's attention."""
+    if family.startswith("deepseek"):
+        from flare.engine.mla_attention import MlaReferenceBackend
+        from flare.engine.mla_attention_triton import MlaTritonBackend
+
+        return MlaReferenceBackend(), MlaTritonBackend()
     from flare.engine.attention import TorchReferenceBackend
     from flare.engine.attention_triton import TritonBackend
 
-    directory = write_tiny_checkpoint(family, tmp_path)          # 4 query heads over 2 KV heads, 16 wide
+    return TorchReferenceBackend(), TritonBackend()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v2", "deepseek_v3"])
+def test_triton_backend_greedy_tokens_equal_the_reference_backend(kernel_device, tmp_path, family):
+    # 4 query heads over 2 KV heads, 16 wide; DeepSeek's 4 heads over a 32 + 16 latent row
+    directory = write_tiny_checkpoint(family, tmp_path)
     generator = torch.Generator().manual_seed(11)
     lengths = {name: sum(step.get(name, 0) for step in SCHEDULE) for name in ("a", "b")}
     tokens = {name: torch.randint(3, 512, (length,), generator=generator).tolist() for name, length in lengths.items()}
 
-    expected = run(directory, TorchReferenceBackend(), kernel_device, tokens)
-    got = run(directory, TritonBackend(), kernel_device, tokens)
+    reference, triton = backends(family)
+    expected = run(directory, reference, kernel_device, tokens)
+    got = run(directory, triton, kernel_device, tokens)
     assert {name: len(ids) for name, ids in got.items()} == {n: lengths[n] + FREE_TOKENS for n in lengths}
     assert got == expected

@@ -62,17 +62,19 @@ def run_engine(directory, device, prompt_graph_sizes, seen=None, drafter=None, d
     """Two requests, then a 40-token prompt prefilled in chunks of 16 beside their decodes; greedy tokens
     per request. `seen` collects the token count of every step the prompt graphs ran; with `drafter`,
     decoding requests carry its drafts (up to 3); with `draft` ((model, config)), a draft model's."""
-    from flare.engine.attention_triton import TritonBackend
+    from flare.engine.factory import attention_backend_for
     from flare.engine.runner import ModelRunner
     from flare.engine.speculation.settings import SpeculationSettings
     from flare.models import load_checkpoint
+    from flare.models.loader import read_model_config
 
     config = EngineConfig(max_concurrency=4, page_size=16, num_pages=32, max_model_len=128, prefill_chunk=16,
                           max_num_batched_tokens=32, enable_prefix_caching=False, decode_graph_catalog=(1, 2, 4),
                           prompt_graph_sizes=prompt_graph_sizes,
                           speculation=SpeculationSettings(draft_tokens=3 if drafter or draft else 0,
                                                           adaptive=False))
-    cfg, model = load_checkpoint(directory, torch.float32, device, TritonBackend())
+    backend = attention_backend_for(read_model_config(directory), "cuda")        # the Triton backend, any device
+    cfg, model = load_checkpoint(directory, torch.float32, device, backend)
     runner = ModelRunner(model, cfg, config, device, torch.float32, seed=0, graphs=bool(prompt_graph_sizes),
                          draft=draft)
     if runner.prompt_graphs is not None and seen is not None:
@@ -96,6 +98,15 @@ def test_prompt_and_mixed_steps_through_the_prompt_graphs_keep_the_eager_tokens(
     if sizes == (16, 32):
         assert any(count > 16 for count in seen)                     # decodes beside a 16-token chunk
     # with (16,) alone, those steps ran eagerly beside the replays, and the tokens still agree
+
+
+def test_latent_attention_steps_through_the_prompt_graphs_keep_the_eager_tokens(kernel_device, tmp_path):
+    """DeepSeek's attention calls stage latent queries and cache rows (not per-head K/V) between the stretches."""
+    directory = write_tiny_checkpoint("deepseek_v2", tmp_path)
+    expected = run_engine(directory, kernel_device, ())
+    seen: list[int] = []
+    assert run_engine(directory, kernel_device, (16, 32), seen) == expected
+    assert any(count > 16 for count in seen)
 
 
 class ConstantDrafter:

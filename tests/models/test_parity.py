@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flare.engine.attention import TorchReferenceBackend
+from flare.engine.factory import attention_backend_for
 from flare.models import load_checkpoint
+from flare.models.loader import read_model_config
 from models.paged_runner import PagedRunner
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -27,6 +28,14 @@ VARIANTS = {
     # the prompt and the decoded tokens run past the 48 trained positions, where dynamic scaling starts
     "rope-dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
                                "max_position_embeddings": 48}),
+    # DeepSeek: MLA over the latent cache, DeepSeekMoE; YaRN with mscale != mscale_all_dim scales cos/sin
+    # and the softmax both
+    "deepseek-v2": ("deepseek_v2", {}),
+    "deepseek-v2-group-limited": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4,
+                                                  "topk_group": 2, "routed_scaling_factor": 1.5}),
+    "deepseek-v3-yarn": ("deepseek_v3", {"rope_parameters": {**YARN, "factor": 8.0, "mscale": 1.0,
+                                                             "mscale_all_dim": 0.707}}),
+    "deepseek-v3-rotate-half": ("deepseek_v3", {"rope_interleave": False, "norm_topk_prob": False}),
 }
 TOKENS = torch.randint(3, 512, (56,), generator=torch.Generator().manual_seed(7)).tolist()
 PROMPT_CHUNKS = [7, 5, 11, 17]  # 40 prompt tokens, then 16 decoded one at a time
@@ -39,7 +48,8 @@ def pair(request, tmp_path_factory):
 
     family, overrides = VARIANTS[request.param]
     directory = write_tiny_checkpoint(family, tmp_path_factory.mktemp(request.param), **overrides)
-    cfg, ours = load_checkpoint(directory, torch.float32, "cpu", TorchReferenceBackend())
+    backend = attention_backend_for(read_model_config(directory), "cpu")    # the torch reference of its attention
+    cfg, ours = load_checkpoint(directory, torch.float32, "cpu", backend)
     theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     return cfg, ours, theirs.eval()
 

@@ -73,12 +73,9 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
 
     directory = Path(directory)
     dtype = dtype or default_dtype(device)
-    if str(device).startswith("cuda"):
-        from flare.models.loader import read_model_config
+    from flare.models.loader import read_model_config
 
-        backend = attention_backend(device, read_model_config(directory).head_dim)
-    else:
-        backend = attention_backend(device)
+    backend = attention_backend_for(read_model_config(directory), device)
     started = time.perf_counter()
     model_config, model = load_checkpoint(directory, getattr(torch, dtype), device, backend, online_fp8=online_fp8,
                                           kv_cache_dtype=kv_cache_dtype)
@@ -126,7 +123,7 @@ def build_draft(hf_config: dict, weights, target_config, dtype, device, target=N
         return head, config
     config = ModelConfig.from_hf_config(hf_config)
     check_draft_vocabulary(config, target_config)
-    model = load_model(config, weights(), dtype, device, attention_backend(device, config.head_dim), on_bytes)
+    model = load_model(config, weights(), dtype, device, attention_backend_for(config, device), on_bytes)
     return model, config
 
 
@@ -168,6 +165,20 @@ def attention_backend(device: str, head_dim: int = 128):
     from flare.engine.attention import TorchReferenceBackend
 
     return TorchReferenceBackend()
+
+
+def attention_backend_for(cfg, device: str):
+    """The attention backend of a model (`ModelConfig`): latent attention's for MLA (Triton on CUDA, the
+    torch reference elsewhere), else `attention_backend` for its heads."""
+    if cfg.mla is None:
+        return attention_backend(device, cfg.head_dim)
+    if str(device).startswith("cuda"):
+        from flare.engine.mla_attention_triton import MlaTritonBackend
+
+        return MlaTritonBackend()
+    from flare.engine.mla_attention import MlaReferenceBackend
+
+    return MlaReferenceBackend()
 
 
 def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Callable[[], Any] | None = None):

@@ -90,10 +90,11 @@ class PromptGraphs:
         dtype = model.lm_head.matrix.dtype
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.query = torch.zeros(largest, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.key = torch.zeros(largest, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.value = torch.zeros_like(self.key)
-        self.attention_out = torch.zeros_like(self.query)
+        shape = cfg.attention                   # what each attention call takes and gives (MLA: latent rows)
+        self.query = torch.zeros(largest, shape.num_heads, shape.qk_dim, dtype=dtype, device=device)
+        self.key = torch.zeros(largest, shape.num_kv_heads, shape.qk_dim, dtype=dtype, device=device)
+        self.value = torch.zeros(largest, shape.num_kv_heads, shape.v_dim, dtype=dtype, device=device)
+        self.attention_out = torch.zeros(largest, shape.num_heads, shape.v_dim, dtype=dtype, device=device)
         self.stretches: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.calls: dict[int, list[AttentionCall]] = {}
         self.hidden: dict[int, torch.Tensor] = {}

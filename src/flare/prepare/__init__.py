@@ -276,10 +276,12 @@ def _load_through_model(checkpoint_dir: Path, plan: Plan) -> None:
     phase's warm-up loads it the same way."""
     import torch
 
-    from flare.engine.factory import attention_backend
+    from flare.engine.factory import attention_backend_for
     from flare.models import load_checkpoint
+    from flare.models.loader import read_model_config
 
-    load_checkpoint(checkpoint_dir, getattr(torch, plan.dtype), "cpu", attention_backend("cpu"),
+    backend = attention_backend_for(read_model_config(checkpoint_dir, plan.online_fp8), "cpu")
+    load_checkpoint(checkpoint_dir, getattr(torch, plan.dtype), "cpu", backend,
                     online_fp8=plan.online_fp8, kv_cache_dtype=plan.kv_cache_dtype)
 
 
@@ -287,10 +289,12 @@ def _choose_prompt_kernel(checkpoint_dir: Path, plan: Plan, device: str):
     """The prompt attention kernel for the checkpoint's heads on this GPU (flare.engine.prompt_kernel)."""
     import torch
 
-    from flare.engine.prompt_kernel import choose_prompt_kernel
+    from flare.engine.prompt_kernel import TRITON, PromptKernelChoice, choose_prompt_kernel
     from flare.models.loader import read_model_config
 
     cfg = read_model_config(checkpoint_dir, plan.online_fp8)
+    if cfg.mla is not None:
+        return PromptKernelChoice(TRITON, "Triton latent attention (MLA: FlashInfer's paged prefill is not a candidate)")
     return choose_prompt_kernel(device, getattr(torch, plan.dtype), plan.kv_cache_dtype, cfg.num_attention_heads,
                                 cfg.num_key_value_heads, cfg.head_dim)
 

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from flare.models.quantization import KV_SCALE_BYTES, fp8_weights_of
+from flare.recipes import deepseek_costs
 from flare.models.quantization import online_fp8 as online_fp8_weights
 
 BF16_BYTES = 2
@@ -49,6 +50,7 @@ class Checkpoint:
     decode_weight_bytes: int | None = None
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     export_repository: str | None = None
+    stored_bytes_note: str = ""             # why stored_bytes is undeclared for a pinned revision
 
     def __post_init__(self):
         object.__setattr__(self, "config", MappingProxyType(dict(self.config)))
@@ -90,6 +92,9 @@ class Speculation:
     # A learned draft: a small checkpoint of the same tokenizer, fetched into the hub cache at export
     # (unless the target checkpoint supplies one in draft/; --no-mtp fetches nothing).
     draft: Checkpoint | None = None
+    # The checkpoint's own multi-token-prediction layers draft (DeepSeek's num_nextn_predict_layers,
+    # flare.models.deepseek_mtp), where its files carry them; --no-mtp leaves them out of the package.
+    mtp: bool = False
 
 
 def draft_speculation(draft: Checkpoint, name: str) -> Speculation:
@@ -261,7 +266,10 @@ def kv_heads(hf_config: Mapping[str, Any]) -> int:
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYTES,
                        tensor_parallel: int = 1, kv_cache_dtype: str = "auto") -> int:
     """Bytes one cached token occupies on one rank: K and V for every layer. `kv_cache_dtype` "fp8": one
-    byte per element and a float32 scale per KV head (flare.models.quantization), else `dtype_bytes`."""
+    byte per element and a float32 scale per KV head (flare.models.quantization), else `dtype_bytes`. A
+    latent-attention (MLA) config caches one latent row per layer instead, on every rank."""
+    if deepseek_costs.is_mla(hf_config):
+        return deepseek_costs.latent_bytes_per_token(hf_config, dtype_bytes, kv_cache_dtype)
     per_rank_kv_heads = max(1, kv_heads(hf_config) // tensor_parallel)
     if kv_cache_dtype == "fp8":
         per_head = head_dim(hf_config) + KV_SCALE_BYTES
@@ -292,6 +300,8 @@ def live_state_bytes_per_request(hf_config: Mapping[str, Any], page_size: int,
 
 def activation_bytes_per_token(hf_config: Mapping[str, Any], tensor_parallel: int = 1) -> int:
     """Peak bf16 activation bytes one token needs inside a layer: residual, q/k/v, attention out, MLP."""
+    if deepseek_costs.is_mla(hf_config):
+        return deepseek_costs.activation_bytes_per_token(hf_config, BF16_BYTES, tensor_parallel)
     hidden = hf_config["hidden_size"]
     q_width = hf_config["num_attention_heads"] * head_dim(hf_config) // tensor_parallel
     kv_width = kv_heads(hf_config) * head_dim(hf_config) // max(1, tensor_parallel)
@@ -320,7 +330,7 @@ def fp8_scratch_bytes(hf_config: Mapping[str, Any], tensor_parallel: int = 1, on
     the largest FP8 layer's weight in the serving dtype (fused gate/up for llama-8b, 235 MB); 0 without
     FP8 projections."""
     fp8 = online_fp8_weights(online_fp8) if online_fp8 else fp8_weights_of(hf_config)
-    if fp8 is None:
+    if fp8 is None or deepseek_costs.is_mla(hf_config):   # MLA: kv_b_proj is dequantized; experts' own buffers
         return 0
     shapes = projection_shapes(hf_config)
     largest = 0
@@ -331,12 +341,15 @@ def fp8_scratch_bytes(hf_config: Mapping[str, Any], tensor_parallel: int = 1, on
     return largest * dtype_bytes // tensor_parallel
 
 
-def parameter_count(hf_config: Mapping[str, Any], lm_head_stored: bool) -> int:
-    """Parameters a dense Llama/Qwen/Mistral checkpoint stores, from config.json's shapes.
+def parameter_count(hf_config: Mapping[str, Any], lm_head_stored: bool, active: bool = False) -> int:
+    """Parameters a dense Llama/Qwen/Mistral checkpoint stores, from config.json's shapes (a DeepSeek
+    one's: recipes.deepseek_costs; `active`: only the experts one token runs).
 
     `lm_head_stored` is a fact about the checkpoint file, not the architecture: some checkpoints
     with tied embeddings still store a copy of the output projection.
     """
+    if deepseek_costs.is_mla(hf_config):
+        return deepseek_costs.parameter_count(hf_config, lm_head_stored, active)
     hidden = hf_config["hidden_size"]
     dim = head_dim(hf_config)
     q_width = hf_config["num_attention_heads"] * dim
@@ -360,17 +373,23 @@ def decode_weight_bytes(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BY
     projections (the checkpoint's, or `online_fp8`'s) count their e4m3 bytes and their scales as a
     package stores them (float32)."""
     # The embedding table's bytes stand in for the output projection's: the same vocab x hidden shape.
-    return weight_bytes(hf_config, False, dtype_bytes, FLOAT32_BYTES, online_fp8)
+    return weight_bytes(hf_config, False, dtype_bytes, FLOAT32_BYTES, online_fp8, active=True)
 
 
 def weight_bytes(hf_config: Mapping[str, Any], lm_head_stored: bool, dtype_bytes: int = BF16_BYTES,
-                 scale_bytes: int = FLOAT32_BYTES, online_fp8: tuple[str, ...] = ()) -> int:
+                 scale_bytes: int = FLOAT32_BYTES, online_fp8: tuple[str, ...] = (), active: bool = False) -> int:
     """Bytes of a checkpoint's tensors: `dtype_bytes` per parameter, except FP8 projections (config.json's
     quantization_config, or the decoder projections `online_fp8` names), one byte per weight and
-    `scale_bytes` per scale."""
+    `scale_bytes` per scale. `active`: of a mixture of experts, only the experts one token runs."""
     fp8 = online_fp8_weights(online_fp8) if online_fp8 else fp8_weights_of(hf_config)
-    total = parameter_count(hf_config, lm_head_stored) * dtype_bytes
+    total = parameter_count(hf_config, lm_head_stored, active) * dtype_bytes
     if fp8 is None:
+        return total
+    if deepseek_costs.is_mla(hf_config):
+        for index in range(hf_config["num_hidden_layers"]):
+            for name, rows, columns, count in deepseek_costs.layer_projections(hf_config, index, active):
+                if fp8.quantizes(f"model.layers.{index}.{name}"):
+                    total += count * (rows * columns * (1 - dtype_bytes) + _scale_count(fp8, rows, columns) * scale_bytes)
         return total
     for index in range(hf_config["num_hidden_layers"]):
         for name, (rows, columns) in projection_shapes(hf_config).items():

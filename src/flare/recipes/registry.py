@@ -8,12 +8,13 @@ from __future__ import annotations
 import difflib
 
 from flare.errors import UsageError
-from flare.recipes import demo, llama, mistral, qwen2, qwen3
+from flare.recipes import deepseek, demo, llama, mistral, qwen2, qwen3
 from flare.recipes.base import Checkpoint, Recipe
 
 # Order matters only for `recipe_for_architecture`: the Llama family comes before the demo, which
 # shares its architecture but serves only its own built-in checkpoint.
-_RECIPES: tuple[Recipe, ...] = (llama.RECIPE, qwen2.RECIPE, qwen3.RECIPE, mistral.RECIPE, demo.RECIPE)
+_RECIPES: tuple[Recipe, ...] = (llama.RECIPE, qwen2.RECIPE, qwen3.RECIPE, mistral.RECIPE, deepseek.RECIPE,
+                                demo.RECIPE)
 
 
 def all_recipes() -> tuple[Recipe, ...]:

@@ -33,13 +33,13 @@ def load_model_weights(model: ServedModel, device: str, stages: StageReporter):
     """(ModelConfig, CausalLM) with the weights loaded, reporting bytes as they arrive."""
     import torch
 
-    from flare.engine.factory import attention_backend
+    from flare.engine.factory import attention_backend_for
     from flare.models import ModelConfig, load_model
 
     with stages.stage("Load weights", total=model.weight_bytes or None) as stage:
         cfg = ModelConfig.from_hf_config(model.hf_config)
         network = load_model(cfg, model.iter_weights(), getattr(torch, model.dtype), device,
-                             attention_backend(device, cfg.head_dim), stage.advance)
+                             attention_backend_for(cfg, device), stage.advance)
         stage.note(f"{gib(model.weight_bytes)} {model.dtype} on {device}")
     return cfg, network
 

@@ -31,7 +31,7 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
     holds the frontend's copy of the tokenizer files (the vocabulary grammars compile against)."""
     import torch
 
-    from flare.engine.factory import LoadedModel, attention_backend, merge_token_ids
+    from flare.engine.factory import LoadedModel, attention_backend_for, merge_token_ids
     from flare.models import ModelConfig, load_model
     from flare.package.reader import open_unverified
 
@@ -45,7 +45,7 @@ def load_package_model(package_path: str, engine_config: Any, device: str, dtype
                                          kv_cache_dtype=package.plan.kv_cache_dtype)
         started = time.perf_counter()
         model = load_model(cfg, package.iter_weights(pinned=on_cuda), getattr(torch, dtype), device,
-                           attention_backend(device, cfg.head_dim), lambda count: report(WeightsRead(count)))
+                           attention_backend_for(cfg, device), lambda count: report(WeightsRead(count)))
         draft = _load_draft(package, cfg, model, engine_config, dtype, device, report)
         report(WeightsLoaded(time.perf_counter() - started))
         if compiled_note is not None:
