@@ -21,7 +21,9 @@ import shutil
 from pathlib import Path
 
 E4M3_MAX = 448.0
-PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# The decoder projections, and DeepSeek-V3's (MLA's, the experts' and the shared experts'; not the router's).
+PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn\.((q|k|v|o)_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
+                        r"kv_b_proj)|mlp\.((experts\.\d+|shared_experts)\.)?(gate|up|down)_proj)\.weight$")
 ASSETS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json",
           "special_tokens_map.json")
 
