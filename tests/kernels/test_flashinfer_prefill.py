@@ -94,7 +94,7 @@ def test_an_fp8_cache_keeps_the_triton_kernel(kernel_device):
             raise AssertionError("FlashInfer was given an FP8 cache")
 
     class Cfg:
-        kv_cache_dtype, num_key_value_heads, head_dim, num_hidden_layers = "fp8", 2, 16, 1
+        kv_cache_dtype, num_key_value_heads, head_dim, num_hidden_layers, mla = "fp8", 2, 16, 1, None
 
     [cache] = allocate_kv_caches(Cfg, 4, 16, torch.float32, kernel_device)
     meta = AttentionMetadata.build([20], [20], [[0, 1]], 16, kernel_device)

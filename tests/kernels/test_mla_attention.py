@@ -20,7 +20,7 @@ def latent_batch(prefix_and_query_lens, num_heads, dtype, device, seed=0, rank=R
 
 def quantized(cache, rank=RANK):
     """The FP8 latent cache of `cache`'s rows: e4m3 values and their two float32 scales."""
-    from flare.engine.mla_attention import quantize_latent_rows
+    from flare.kernels.mla_reference import quantize_latent_rows
 
     values, scales = quantize_latent_rows(cache.float().flatten(0, 1), rank)
     return values.view(cache.shape), scales.view(*cache.shape[:2], 2)

@@ -23,23 +23,12 @@ head count (`recipes.base.kv_bytes_per_token` counts that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from flare.engine.attention import AttentionBackend, AttentionMetadata, quantize_kv
+from flare.engine.attention import AttentionBackend, AttentionMetadata
+from flare.kernels.mla_reference import LatentCacheFp8, gather_latent, latent_attention, quantize_latent_rows
 
 LATENT_SCALE_BYTES = 8          # FP8 rows: one float32 scale for the latent, one for the rotary key
-
-
-@dataclass(frozen=True)
-class LatentCacheFp8:
-    """Views of one layer's FP8 latent cache: e4m3 rows [pages, page_size, latent_dim] and their float32
-    scales [pages, page_size, 2] (latent's, rotary key's)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    kv_lora_rank: int
 
 
 def latent_cache_shape(num_pages: int, page_size: int, latent_dim: int, fp8: bool) -> tuple[int, int, int]:
@@ -56,13 +45,6 @@ def fp8_latent_views(cache: torch.Tensor, latent_dim: int, kv_lora_rank: int) ->
     return LatentCacheFp8(values, scales, kv_lora_rank)
 
 
-def quantize_latent_rows(rows: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows [T, latent_dim]` as e4m3 values [T, latent_dim] and float32 scales [T, 2]: the latent and the
-    rotary key each scaled by their own absolute maximum / 448."""
-    latent, rope = quantize_kv(rows[:, :kv_lora_rank]), quantize_kv(rows[:, kv_lora_rank:])
-    return torch.cat([latent[0], rope[0]], dim=-1), torch.stack([latent[1], rope[1]], dim=-1)
-
-
 def write_latent(cache: torch.Tensor | LatentCacheFp8, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store each new token's cache row `rows [T, latent_dim]` at its slot (page * page_size + offset)."""
     if isinstance(cache, LatentCacheFp8):
@@ -73,34 +55,9 @@ def write_latent(cache: torch.Tensor | LatentCacheFp8, rows: torch.Tensor, slot_
     cache.flatten(0, 1)[slot_mapping] = rows.to(cache.dtype)
 
 
-def gather_latent(cache: torch.Tensor | LatentCacheFp8, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's `seq_len` cache rows [seq_len, latent_dim], in position order (float32 from an FP8
-    cache: values times their scales)."""
-    if isinstance(cache, LatentCacheFp8):
-        page_size, rank = cache.values.shape[1], cache.kv_lora_rank
-        used = pages[: -(-seq_len // page_size)].long()
-        values = cache.values[used].flatten(0, 1)[:seq_len].float()
-        scales = cache.scales[used].flatten(0, 1)[:seq_len]
-        return torch.cat([values[:, :rank] * scales[:, :1], values[:, rank:] * scales[:, 1:]], dim=-1)
-    page_size = cache.shape[1]
-    used = pages[: -(-seq_len // page_size)].long()
-    return cache[used].flatten(0, 1)[:seq_len]
-
-
 def cache_views(kv_cache: torch.Tensor, latent_dim: int, kv_lora_rank: int) -> torch.Tensor | LatentCacheFp8:
     """The layer cache as the rows to read and write: itself, or its FP8 views."""
     return fp8_latent_views(kv_cache, latent_dim, kv_lora_rank) if kv_cache.dtype == torch.uint8 else kv_cache
-
-
-def latent_attention(query: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-    """`query [q, H, latent_dim]` are the last q positions of a context of cache `rows [s, latent_dim]`;
-    causal; float32 inside; -> [q, H, kv_lora_rank] in the query's dtype."""
-    q_len, seq_len = query.shape[0], rows.shape[0]
-    scores = torch.einsum("qhd,sd->hqs", query.float(), rows.float()) * scale
-    query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-    hidden = torch.arange(seq_len, device=query.device)[None, :] > query_pos
-    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqs,sd->qhd", probs, rows[:, :kv_lora_rank].float()).to(query.dtype)
 
 
 class MlaReferenceBackend(AttentionBackend):

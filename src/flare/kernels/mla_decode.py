@@ -221,7 +221,7 @@ def check_latent_inputs(q, cache, block_tables, seq_lens, kv_lora_rank: int, sca
 
 def mla_decode_reference(q, cache, block_tables, seq_lens, scale: float, kv_lora_rank: int, scales=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
-    from flare.engine.mla_attention import LatentCacheFp8, gather_latent
+    from flare.kernels.mla_reference import LatentCacheFp8, gather_latent
 
     batch, num_heads, _ = q.shape
     view = cache if scales is None else LatentCacheFp8(cache, scales, kv_lora_rank)

@@ -165,7 +165,7 @@ def mla_prefill(q, cache, query_start_loc, seq_lens, block_tables, scale: float,
 def mla_prefill_reference(q, cache, query_start_loc, seq_lens, block_tables, scale: float, kv_lora_rank: int,
                           scales=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
-    from flare.engine.mla_attention import LatentCacheFp8, gather_latent, latent_attention
+    from flare.kernels.mla_reference import LatentCacheFp8, gather_latent, latent_attention
 
     view = cache if scales is None else LatentCacheFp8(cache, scales, kv_lora_rank)
     out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
