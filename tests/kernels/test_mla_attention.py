@@ -33,8 +33,8 @@ def test_decode_matches_reference(kernel_device, dtype, num_heads, num_splits):
 
     batch, cache = latent_batch([(0, 1), (15, 1), (16, 1), (44, 1)], num_heads, dtype, kernel_device)
     out = torch.full((4, num_heads, RANK), float("nan"), dtype=dtype, device=kernel_device)
-    mla_decode(batch.q, cache, batch.block_tables, batch.seq_lens, batch.scale, RANK, num_splits, out)
-    ref = mla_decode_reference(batch.q.float(), cache.float(), batch.block_tables, batch.seq_lens, batch.scale, RANK)
+    mla_decode(batch.q, cache, batch.page_tables, batch.seq_lens, batch.scale, RANK, num_splits, out)
+    ref = mla_decode_reference(batch.q.float(), cache.float(), batch.page_tables, batch.seq_lens, batch.scale, RANK)
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < tolerance(dtype, kernel_device)
 
@@ -45,7 +45,7 @@ def test_decode_of_an_empty_padding_row_is_zero(kernel_device):
     batch, cache = latent_batch([(20, 1), (3, 1)], 4, torch.float32, kernel_device)
     seq_lens = batch.seq_lens.clone()
     seq_lens[1] = 0
-    out = mla_decode(batch.q, cache, batch.block_tables, seq_lens, batch.scale, RANK, 2)
+    out = mla_decode(batch.q, cache, batch.page_tables, seq_lens, batch.scale, RANK, 2)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
@@ -56,10 +56,10 @@ def test_prefill_matches_reference(kernel_device, dtype, lengths):
 
     batch, cache = latent_batch(lengths, 4, dtype, kernel_device, seed=1)
     out = torch.full((batch.q.shape[0], 4, RANK), float("nan"), dtype=dtype, device=kernel_device)
-    mla_prefill(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.scale, RANK,
+    mla_prefill(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.page_tables, batch.scale, RANK,
                 batch.max_query_len, out)
     ref = mla_prefill_reference(batch.q.float(), cache.float(), batch.query_start_loc, batch.seq_lens,
-                                batch.block_tables, batch.scale, RANK)
+                                batch.page_tables, batch.scale, RANK)
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < tolerance(dtype, kernel_device)
 
@@ -69,9 +69,9 @@ def test_prefill_leaves_the_rows_before_first_seq_alone(kernel_device):
 
     batch, cache = latent_batch([(10, 1), (4, 9)], 4, torch.float32, kernel_device)
     out = torch.full((10, 4, RANK), 7.0, device=kernel_device)
-    mla_prefill(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.scale, RANK,
+    mla_prefill(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.page_tables, batch.scale, RANK,
                 batch.max_query_len, out, first_seq=1)
-    ref = mla_prefill_reference(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+    ref = mla_prefill_reference(batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.page_tables,
                                 batch.scale, RANK)
     assert torch.equal(out[0], torch.full_like(out[0], 7.0))
     assert relative_error(out[1:], ref[1:]) < tolerance(torch.float32, kernel_device)
@@ -87,11 +87,11 @@ def test_fp8_cache_matches_reference_over_the_same_fp8_rows(kernel_device, kerne
     batch, cache = latent_batch(lengths, 4, torch.float16, kernel_device, seed=2)
     values, scales = quantized(cache)
     if kernel == "decode":
-        out = mla_decode(batch.q, values, batch.block_tables, batch.seq_lens, batch.scale, RANK, 2, scales=scales)
-        ref = mla_decode_reference(batch.q.float(), values, batch.block_tables, batch.seq_lens, batch.scale, RANK,
+        out = mla_decode(batch.q, values, batch.page_tables, batch.seq_lens, batch.scale, RANK, 2, scales=scales)
+        ref = mla_decode_reference(batch.q.float(), values, batch.page_tables, batch.seq_lens, batch.scale, RANK,
                                    scales=scales)
     else:
-        args = (batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.scale, RANK)
+        args = (batch.query_start_loc, batch.seq_lens, batch.page_tables, batch.scale, RANK)
         out = mla_prefill(batch.q, values, *args, batch.max_query_len, scales=scales)
         ref = mla_prefill_reference(batch.q.float(), values, *args, scales=scales)
     assert relative_error(out, ref) < 5e-3                    # fp16 products of the e4m3 values

@@ -72,7 +72,7 @@ class MlaReferenceBackend(AttentionBackend):
         starts = meta.query_start_loc.tolist()
         for b, seq_len in enumerate(meta.seq_lens.tolist()):
             start, end = starts[b], starts[b + 1]
-            rows = gather_latent(cache, meta.block_tables[b], seq_len)
+            rows = gather_latent(cache, meta.page_tables[b], seq_len)
             output[start:end] = latent_attention(query[start:end], rows, rank, scale)
         return output
 

@@ -36,10 +36,10 @@ class MlaTritonBackend(TritonBackend):
         decodes = meta.seq_lens.shape[0] if meta.max_query_len == 1 else meta.num_decodes
         if decodes:
             splits = self.decode_splits or choose_mla_splits(decodes, num_heads, meta.max_seq_len)
-            mla_decode(query[:decodes], rows, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale, rank,
+            mla_decode(query[:decodes], rows, meta.page_tables[:decodes], meta.seq_lens[:decodes], scale, rank,
                        splits, out[:decodes], scales=scales)
         if meta.max_query_len > 1:
             # Not slices of the metadata: offset pointers would change the kernel's alignment specialization.
-            mla_prefill(query, rows, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, rank,
+            mla_prefill(query, rows, meta.query_start_loc, meta.seq_lens, meta.page_tables, scale, rank,
                         meta.max_query_len, out, first_seq=decodes, scales=scales)
         return out

@@ -10,7 +10,7 @@ Shapes (B sequences, H heads, L = kv_lora_rank, R = qk_rope_head_dim):
     q            [B, H, L + R]                 each head's latent query, then its rotary query
     cache        [num_pages, page_size, L + R] one layer's latent cache (bf16/fp16/fp32), or
                  float8_e4m3fn rows with `scales` [num_pages, page_size, 2] float32 (latent's, rotary's)
-    block_tables [B, max_pages] int32
+    page_tables [B, max_pages] int32
     seq_lens     [B] int32                     context length including the new token (0: padding)
     out          [B, H, L]                     q's dtype
 """
@@ -71,14 +71,14 @@ def latent_softmax_step(acc, m, l, scores, k_lat, lat_scale, FP8: tl.constexpr):
     return acc, m_new, l
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "num_splits"])
+@triton.jit(do_not_specialize=["stride_pt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "num_splits"])
 def _mla_decode_split_kernel(
-    q_ptr, cache_ptr, scales_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, cache_ptr, scales_ptr, page_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale_log2,
     stride_qb, stride_qh,
     stride_cp, stride_cs,
     stride_sp, stride_ss,
-    stride_bt,
+    stride_pt,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     num_splits,
@@ -112,7 +112,7 @@ def _mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        pages = tl.load(block_tables_ptr + seq * stride_bt + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+        pages = tl.load(page_tables_ptr + seq * stride_pt + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
         k_lat, k_pe, lat_scale, pe_scale = latent_tile(cache_ptr, scales_ptr, pages, tokens % PAGE_SIZE, token_mask,
                                                        lat, pe, stride_cp, stride_cs, stride_sp, stride_ss,
                                                        RANK, ROPE, BLOCK_L, BLOCK_P, FP8)
@@ -140,7 +140,7 @@ def choose_mla_splits(batch: int, num_heads: int, max_seq_len: int) -> int:
     return choose_num_splits(batch, triton.cdiv(num_heads, block_heads(num_heads)), max_seq_len)
 
 
-def mla_decode(q, cache, block_tables, seq_lens, scale: float, kv_lora_rank: int, num_splits: int, out=None, *,
+def mla_decode(q, cache, page_tables, seq_lens, scale: float, kv_lora_rank: int, num_splits: int, out=None, *,
                scales=None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None):
     """Latent attention of one query token per sequence over its paged context; returns out [B, H, L].
 
@@ -148,7 +148,7 @@ def mla_decode(q, cache, block_tables, seq_lens, scale: float, kv_lora_rank: int
     `scales` come with an FP8 cache; block_n, num_warps and num_stages are knobs for benchmarks."""
     import torch
 
-    check_latent_inputs(q, cache, block_tables, seq_lens, kv_lora_rank, scales)
+    check_latent_inputs(q, cache, page_tables, seq_lens, kv_lora_rank, scales)
     batch, num_heads, width = q.shape
     page_size = cache.shape[1]
     if out is None:
@@ -166,12 +166,12 @@ def mla_decode(q, cache, block_tables, seq_lens, scale: float, kv_lora_rank: int
     fp8 = scales is not None
     rope = width - kv_lora_rank
     _mla_decode_split_kernel[(batch, triton.cdiv(num_heads, block_h), num_splits)](
-        q, cache, scales if fp8 else q, block_tables, seq_lens, mid_o, mid_lse,
+        q, cache, scales if fp8 else q, page_tables, seq_lens, mid_o, mid_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         cache.stride(0), cache.stride(1),
         scales.stride(0) if fp8 else 0, scales.stride(1) if fp8 else 0,
-        block_tables.stride(0),
+        page_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         num_splits,
@@ -191,7 +191,7 @@ def mla_decode(q, cache, block_tables, seq_lens, scale: float, kv_lora_rank: int
     return out
 
 
-def check_latent_inputs(q, cache, block_tables, seq_lens, kv_lora_rank: int, scales) -> None:
+def check_latent_inputs(q, cache, page_tables, seq_lens, kv_lora_rank: int, scales) -> None:
     """Shapes, dtypes, strides and devices the latent kernels need (module docstring)."""
     import torch
 
@@ -209,17 +209,17 @@ def check_latent_inputs(q, cache, block_tables, seq_lens, kv_lora_rank: int, sca
           or tuple(scales.shape) != (*cache.shape[:2], 2) or scales.stride(-1) != 1):
         raise ValueError(f"an FP8 latent cache is float8_e4m3fn with float32 scales {[*cache.shape[:2], 2]}; got "
                          f"{cache.dtype} and {None if scales is None else (scales.dtype, list(scales.shape))}")
-    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be int32 [B, max_pages] with contiguous rows, got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
+    if page_tables.dim() != 2 or page_tables.dtype != torch.int32 or page_tables.stride(1) != 1:
+        raise ValueError(f"page_tables must be int32 [B, max_pages] with contiguous rows, got {page_tables.dtype} "
+                         f"{tuple(page_tables.shape)}")
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    for name, tensor in (("cache", cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+    for name, tensor in (("cache", cache), ("page_tables", page_tables), ("seq_lens", seq_lens)):
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
 
 
-def mla_decode_reference(q, cache, block_tables, seq_lens, scale: float, kv_lora_rank: int, scales=None):
+def mla_decode_reference(q, cache, page_tables, seq_lens, scale: float, kv_lora_rank: int, scales=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
     from flare.kernels.mla_reference import LatentCacheFp8, gather_latent
 
@@ -227,7 +227,7 @@ def mla_decode_reference(q, cache, block_tables, seq_lens, scale: float, kv_lora
     view = cache if scales is None else LatentCacheFp8(cache, scales, kv_lora_rank)
     out = q.new_empty(batch, num_heads, kv_lora_rank)
     for seq in range(batch):
-        rows = gather_latent(view, block_tables[seq], int(seq_lens[seq])).float()
+        rows = gather_latent(view, page_tables[seq], int(seq_lens[seq])).float()
         probs = (q[seq].float() @ rows.T * scale).softmax(dim=-1)
         out[seq] = (probs @ rows[:, :kv_lora_rank]).to(q.dtype)
     return out

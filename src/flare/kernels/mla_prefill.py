@@ -12,7 +12,7 @@ Speculative verification's steps (a few tokens per sequence) and prompt chunks b
 decodes take flare.kernels.mla_decode.
 
 Shapes: q [T, H, L + R]; cache as mla_decode's; query_start_loc [B + 1] int32; seq_lens [B] int32
-(context after the step); block_tables [B, max_pages] int32; out [T, H, L].
+(context after the step); page_tables [B, max_pages] int32; out [T, H, L].
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ INTERPRETER_DEFAULT = MlaPrefillConfig(block_q=2, block_n=16, num_warps=4, num_s
 
 
 @triton.jit
-def _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, block_table_ptr, start, end, limit,
+def _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, page_table_ptr, start, end, limit,
                  qk_scale_log2, stride_cp, stride_cs, stride_sp, stride_ss,
                  PAGE_SIZE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr,
@@ -53,7 +53,7 @@ def _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, block
     for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < limit
-        pages = tl.load(block_table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+        pages = tl.load(page_table_ptr + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
         k_lat, k_pe, lat_scale, pe_scale = latent_tile(cache_ptr, scales_ptr, pages, tokens % PAGE_SIZE, token_mask,
                                                        lat, pe, stride_cp, stride_cs, stride_sp, stride_ss,
                                                        RANK, ROPE, BLOCK_L, BLOCK_P, FP8)
@@ -67,13 +67,13 @@ def _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, block
     return acc, m, l
 
 
-@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
+@triton.jit(do_not_specialize=["first_seq", "stride_pt"])
 def _mla_prefill_kernel(
-    q_ptr, cache_ptr, scales_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, cache_ptr, scales_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, page_tables_ptr,
     qk_scale_log2, first_seq,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cp, stride_cs, stride_sp, stride_ss,
-    stride_bt,
+    stride_pt,
     NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -106,11 +106,11 @@ def _mla_prefill_kernel(
         acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_L], dtype=tl.float32)
         unmasked_end = (prefix_len + q_block * BLOCK_Q) // BLOCK_N * BLOCK_N
         kv_end = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_Q)
-        block_table_ptr = block_tables_ptr + seq * stride_bt
-        acc, m, l = _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, block_table_ptr,
+        page_table_ptr = page_tables_ptr + seq * stride_pt
+        acc, m, l = _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, page_table_ptr,
                                  0, unmasked_end, kv_end, qk_scale_log2, stride_cp, stride_cs, stride_sp, stride_ss,
                                  PAGE_SIZE, RANK, ROPE, BLOCK_L, BLOCK_P, BLOCK_N, False, FP8, NUM_STAGES)
-        acc, m, l = _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, block_table_ptr,
+        acc, m, l = _attend_rows(acc, m, l, q_lat, q_pe, positions, cache_ptr, scales_ptr, page_table_ptr,
                                  unmasked_end, kv_end, kv_end, qk_scale_log2, stride_cp, stride_cs, stride_sp,
                                  stride_ss, PAGE_SIZE, RANK, ROPE, BLOCK_L, BLOCK_P, BLOCK_N, True, FP8, NUM_STAGES)
         o = acc / tl.where(l > 0, l, 1.0)[:, None]                # masked rows (past the heads) stay 0
@@ -119,14 +119,14 @@ def _mla_prefill_kernel(
                  mask=row_mask[:, None] & (lat < RANK)[None, :])
 
 
-def mla_prefill(q, cache, query_start_loc, seq_lens, block_tables, scale: float, kv_lora_rank: int,
+def mla_prefill(q, cache, query_start_loc, seq_lens, page_tables, scale: float, kv_lora_rank: int,
                 max_query_len: int, out=None, *, first_seq: int = 0, scales=None,
                 config: MlaPrefillConfig | None = None):
     """Causal latent attention of each sequence's new tokens over its paged context; returns out [T, H, L].
 
     `first_seq`: sequences before it are left alone (a mixed step serves them as decodes); their rows of
     `out` are not written. `scales` come with an FP8 cache; `config` is the launch (benchmarks)."""
-    check_latent_inputs(q, cache, block_tables, seq_lens, kv_lora_rank, scales)
+    check_latent_inputs(q, cache, page_tables, seq_lens, kv_lora_rank, scales)
     num_tokens, num_heads, width = q.shape
     batch = seq_lens.shape[0]
     if out is None:
@@ -148,12 +148,12 @@ def mla_prefill(q, cache, query_start_loc, seq_lens, block_tables, scale: float,
     rope = width - kv_lora_rank
     grid = (triton.cdiv(num_heads, block_h), triton.cdiv(max_query_len, config.block_q), batch - first_seq)
     _mla_prefill_kernel[grid](
-        q, cache, scales if fp8 else q, out, query_start_loc, seq_lens, block_tables,
+        q, cache, scales if fp8 else q, out, query_start_loc, seq_lens, page_tables,
         scale * LOG2E, first_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1),
         scales.stride(0) if fp8 else 0, scales.stride(1) if fp8 else 0,
-        block_tables.stride(0),
+        page_tables.stride(0),
         NUM_HEADS=num_heads, PAGE_SIZE=cache.shape[1], RANK=kv_lora_rank, ROPE=rope,
         BLOCK_L=triton.next_power_of_2(kv_lora_rank), BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=block_h, BLOCK_Q=config.block_q, BLOCK_N=config.block_n, FP8=fp8,
@@ -162,7 +162,7 @@ def mla_prefill(q, cache, query_start_loc, seq_lens, block_tables, scale: float,
     return out
 
 
-def mla_prefill_reference(q, cache, query_start_loc, seq_lens, block_tables, scale: float, kv_lora_rank: int,
+def mla_prefill_reference(q, cache, query_start_loc, seq_lens, page_tables, scale: float, kv_lora_rank: int,
                           scales=None):
     """The same function in plain torch (float32 math), one sequence at a time."""
     from flare.kernels.mla_reference import LatentCacheFp8, gather_latent, latent_attention
@@ -171,6 +171,6 @@ def mla_prefill_reference(q, cache, query_start_loc, seq_lens, block_tables, sca
     out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
     starts = query_start_loc.tolist()
     for seq, length in enumerate(seq_lens.tolist()):
-        rows = gather_latent(view, block_tables[seq], length)
+        rows = gather_latent(view, page_tables[seq], length)
         out[starts[seq]:starts[seq + 1]] = latent_attention(q[starts[seq]:starts[seq + 1]], rows, kv_lora_rank, scale)
     return out
