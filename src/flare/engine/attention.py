@@ -38,6 +38,9 @@ class AttentionMetadata:
     # on the host (flare.kernels.flashinfer_prefill) read them instead of copying the device tensors back.
     host_query_start: np.ndarray | None = None
     host_seq_lens: np.ndarray | None = None
+    # [B, max_pages] int32: each sequence's window pages by block, for models whose cache has a "window" page
+    # kind (flare.models.cache_spec); entries below a sequence's window are stale. None: no window pages.
+    window_block_tables: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -47,8 +50,10 @@ class AttentionMetadata:
         page_tables: list[list[int]],
         page_size: int,
         device: torch.device | str = "cpu",
+        window_block_tables: list[list[int]] | None = None,
     ) -> AttentionMetadata:
-        """From plain lists: each sequence's new-token count, its context length after the step, and its pages."""
+        """From plain lists: each sequence's new-token count, its context length after the step, its pages,
+        and (models with window pages) its window pages by block."""
         starts = [0]
         for length in query_lens:
             starts.append(starts[-1] + length)
@@ -68,6 +73,7 @@ class AttentionMetadata:
             num_decodes=leading_decodes(query_lens),
             host_query_start=np.array(starts, dtype=np.int64),
             host_seq_lens=np.array(seq_lens, dtype=np.int64),
+            window_block_tables=None if window_block_tables is None else _padded_table(window_block_tables, device),
         )
 
     @property
@@ -96,6 +102,18 @@ class AttentionMetadata:
         return self.seq_lens[sequence].to(torch.int64) - from_end
 
 
+def _padded_table(tables: list[list[int]], device) -> torch.Tensor:
+    width = max((len(pages) for pages in tables), default=0)
+    padded = [pages + [0] * (width - len(pages)) for pages in tables]
+    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+def _padded_table(tables: list[list[int]], device) -> torch.Tensor:
+    width = max((len(pages) for pages in tables), default=0)
+    padded = [pages + [0] * (width - len(pages)) for pages in tables]
+    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
 def uniform_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int:
     """`max_query_len` when `num_tokens` new tokens over `num_seqs` sequences are that many each (no
     sequence brings more than the longest, so a total of longest times count leaves none shorter); else 0."""
@@ -120,7 +138,12 @@ class AttentionBackend:
     at position `seq_lens[b] - q_len + i` and sees keys at positions up to and including its own.
     Query heads share KV heads in groups (`Hq // Hkv` consecutive query heads per KV head). Scores are
     multiplied by `scale`; the softmax runs in float32; the output has the query's dtype.
+
+    `kernels` names the kernel family a model with attention of its own (DeepSeek V4) runs beside this
+    backend: "torch" (references) or "triton".
     """
+
+    kernels = "torch"
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         raise NotImplementedError

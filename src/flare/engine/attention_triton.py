@@ -105,6 +105,8 @@ class TritonBackend(AttentionBackend):
     chosen per call from meta.max_seq_len (under torch.compile that value then becomes a guard).
     """
 
+    kernels = "triton"
+
     # Set only while flare.engine.prompt_graphs captures or stages a forward: it takes each call
     # (`interceptor(backend, query, key, value, kv_cache, scale)`) in the backend's place.
     interceptor = None

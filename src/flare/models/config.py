@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from flare.models.deepseek_v4_config import DeepseekV4Layout, deepseek_v4_fields
 from flare.models.errors import UnsupportedModel
 from flare.models.quantization import Fp8Weights, check_kv_cache_dtype, fp8_weights_of, online_fp8
 
@@ -130,6 +131,7 @@ class ModelConfig:
     mla: MlaConfig | None = None          # DeepSeek's latent attention; None: grouped-query attention
     deepseek_moe: DeepseekMoe | None = None
     mtp_layers: int = 0                   # num_nextn_predict_layers: MTP modules after the decoder layers
+    v4: DeepseekV4Layout | None = None    # DeepSeek V4's attention types, hyper-connections and experts
 
     @property
     def attention(self) -> AttentionShape:
@@ -178,10 +180,10 @@ class ModelConfig:
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=fields.pop("num_key_value_heads", None) or hf.get("num_key_value_heads") or heads,
-            intermediate_size=_required(hf, "intermediate_size"),
+            intermediate_size=fields.pop("intermediate_size", None) or _required(hf, "intermediate_size"),
             vocab_size=_required(hf, "vocab_size"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=rope_config(hf),
+            rope=fields.pop("rope", None) or rope_config(hf),
             max_position_embeddings=hf["max_position_embeddings"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
@@ -293,9 +295,17 @@ def mla_softmax_scale(hf: dict, qk_head_dim: int) -> float:
     return scale
 
 
+def _deepseek_v4_fields(hf: dict) -> dict:
+    # DeepseekV4ForCausalLM: the layout of flare.models.deepseek_v4_config; its two rotary embeddings live there
+    # (`rope` names the main one's base, which the standard layers do not read).
+    fields = deepseek_v4_fields(hf)
+    return {**fields, "rope": RopeConfig(theta=fields["v4"].main_rope.theta)}
+
+
 FAMILY_FIELDS = {"llama": _llama_fields, "mistral": _mistral_fields, "qwen2": _qwen2_fields, "qwen3": _qwen3_fields,
-                 "deepseek_v2": _deepseek_v2_fields, "deepseek_v3": _deepseek_v3_fields}
+                 "deepseek_v2": _deepseek_v2_fields, "deepseek_v3": _deepseek_v3_fields, "deepseek_v4": _deepseek_v4_fields}
 FAMILY_OF_ARCHITECTURE = {
+    "DeepseekV4ForCausalLM": "deepseek_v4",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",

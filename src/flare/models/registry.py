@@ -8,6 +8,7 @@ import importlib
 from flare.models.config import ModelConfig
 
 MODEL_CLASSES = {
+    "DeepseekV4ForCausalLM": "flare.models.deepseek_v4",
     "LlamaForCausalLM": "flare.models.llama",
     "MistralForCausalLM": "flare.models.mistral",
     "Qwen2ForCausalLM": "flare.models.qwen2",
