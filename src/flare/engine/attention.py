@@ -251,3 +251,16 @@ def allocate_kv_caches(cfg, num_pages: int, page_size: int, dtype: torch.dtype, 
     else:
         shape = (2, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+
+
+def allocate_caches(cfg, num_pages: int, num_window_pages: int, page_size: int, dtype: torch.dtype, device) -> list:
+    """Every layer's cache: the K/V tensor of `allocate_kv_caches`, or, for a model whose cache spec has more
+    components (DeepSeek V4), a `flare.engine.layer_cache.LayerCache` of them (`num_window_pages` for the
+    window kind)."""
+    if cfg.v4 is None:
+        return allocate_kv_caches(cfg, num_pages, page_size, dtype, device)
+    from flare.engine.layer_cache import allocate_layer_caches
+    from flare.models.cache_spec import cache_spec
+
+    spec = cache_spec(cfg, page_size, torch.finfo(dtype).bits // 8)
+    return allocate_layer_caches(spec, cfg.num_hidden_layers, num_pages, num_window_pages, dtype, device)

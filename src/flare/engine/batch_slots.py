@@ -35,11 +35,16 @@ class BatchSlots:
     """`max_slots` slots; row `padding_row` of the device tables is the padding rows' (the dummy page)."""
 
     def __init__(self, max_slots: int, max_pages: int, dummy_page: int, device: torch.device,
-                 sampler: DeviceSampler | None = None) -> None:
+                 sampler: DeviceSampler | None = None, window_dummy_page: int | None = None) -> None:
+        """`window_dummy_page`: a cache with window pages (flare.engine.cache_pages) keeps a second table,
+        `window_page_tables`, by block like the first, whose padding and stale entries name that page."""
         self.sampler = sampler
         self.max_pages = max_pages
         self.padding_row = max_slots
         self.page_tables = torch.full((max_slots + 1, max_pages), dummy_page, dtype=torch.int32, device=device)
+        self.window_page_tables = (None if window_dummy_page is None else
+                                   torch.full((max_slots + 1, max_pages), window_dummy_page, dtype=torch.int32,
+                                              device=device))
         self.last_sampled = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
         self._slot_of: dict[str, int] = {}
         self.reset()
@@ -71,6 +76,8 @@ class BatchSlots:
                 # its seed and positions, so a resumed request samples as it would have.
                 self.sampler.add(new.slot, new.params, new.prompt_token_ids, new.output_token_ids)
         self._add_pages(plan)
+        if self.window_page_tables is not None:
+            self._add_window_pages(plan)
 
     def _release(self, slot: int) -> None:
         if self.sampler is not None:
@@ -93,6 +100,23 @@ class BatchSlots:
         if pages:
             index = to_device(np.array([rows, columns, pages], dtype=np.int64), self.page_tables.device)
             self.page_tables[index[0], index[1]] = index[2].to(torch.int32)
+
+
+    def _add_window_pages(self, plan: StepPlan) -> None:
+        rows, columns, pages = [], [], []
+        for row in plan.rows:
+            if not row.window_page_ids:
+                continue
+            last = row.window_first_block + len(row.window_page_ids)
+            if last > self.max_pages:
+                raise RuntimeError(f"request {row.request_id!r} would reach window block {last}; a slot holds "
+                                   f"{self.max_pages}")
+            rows += [row.slot] * len(row.window_page_ids)
+            columns += range(row.window_first_block, last)
+            pages += row.window_page_ids
+        if pages:
+            index = to_device(np.array([rows, columns, pages], dtype=np.int64), self.window_page_tables.device)
+            self.window_page_tables[index[0], index[1]] = index[2].to(torch.int32)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

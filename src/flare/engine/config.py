@@ -40,6 +40,10 @@ class EngineConfig:
     one_step_ahead: bool = True
     # Speculative decoding: draft tokens per request and step, where they come from, how wide to verify.
     speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
+    # A cache with a "window" page kind (flare.models.cache_spec; DeepSeek V4): its page count, and how many
+    # tokens before its first position a step reads from them. 0: the cache has no window pages.
+    window_pages: int = 0
+    window_retention: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "page_size", "num_pages", "prefill_chunk",
@@ -60,6 +64,9 @@ class EngineConfig:
             raise UsageError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_concurrency ({self.max_concurrency}); raise the token budget or lower the concurrency")
+        if self.window_pages < 0 or self.window_retention < 0:
+            raise UsageError(f"window_pages {self.window_pages} and window_retention {self.window_retention} must "
+                             "not be negative")
         if self.kv_capacity_tokens < self.max_model_len:
             # A single request must always fit, or preemption could never make progress.
             raise UsageError(
@@ -118,7 +125,7 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                            enable_prefix_caching: bool = True,
                            decode_graph_sizes: tuple[int, ...] = (),
                            prompt_graph_sizes: tuple[int, ...] = (),
-                           speculation: SpeculationSettings | None = None) -> EngineConfig:
+                           speculation: SpeculationSettings | None = None, window=None) -> EngineConfig:
     """The EngineConfig for a KV pool (`PageSupply`, or a `flare.memory.KVPool` sized at startup: pages,
     page_size, limited_by): the one place an engine's settings are derived.
 
@@ -126,7 +133,9 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
     the prepared context, or what the pool holds if that is less (spec §4 "Context limit"), so one
     request of the served length always fits: the oldest running request is never preempted, and it
     can grow into every page. `limited_by` ("memory", "context ceiling", "concurrency ceiling")
-    becomes `kv_pool_limited_by` ("memory", "context", "concurrency") for the startup report.
+    becomes `kv_pool_limited_by` ("memory", "context", "concurrency") for the startup report. `window`
+    (`flare.memory.WindowPool`): the window pages of a cache that keeps them (DeepSeek V4), at this
+    concurrency.
     """
     limited_by = str(pool.limited_by).removesuffix(" ceiling")
     served_context = min(prepared_context, pool.pages * pool.page_size)
@@ -137,15 +146,22 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                         scheduler_policy=scheduler_policy or SchedulerPolicy(),
                         prepared_concurrency=prepared_concurrency, kv_pool_limited_by=limited_by,
                         decode_graph_catalog=tuple(decode_graph_sizes), prompt_graph_sizes=tuple(prompt_graph_sizes),
-                        speculation=speculation or SpeculationSettings())
+                        speculation=speculation or SpeculationSettings(),
+                        window_pages=window.pages(max_concurrency) if window is not None else 0,
+                        window_retention=window.retention if window is not None else 0)
 
 
-def local_engine_config(max_position_embeddings: int) -> EngineConfig:
-    """A modest configuration for tests and local runs of a checkpoint: 8 requests of up to 2048 tokens each."""
+def local_engine_config(max_position_embeddings: int, model_config=None, dtype_bytes: int = 4) -> EngineConfig:
+    """A modest configuration for tests and local runs of a checkpoint: 8 requests of up to 2048 tokens each
+    (pages of 16 tokens, or of the largest compression rate of a DeepSeek V4 cache, with its window pages)."""
+    from flare.models.cache_spec import cache_spec, smallest_page_size
+
     context = min(max_position_embeddings, 2048)
-    page_size = 16
+    page_size = max(16, smallest_page_size(model_config)) if model_config is not None else 16
+    window = cache_spec(model_config, page_size, dtype_bytes).window_pool(2048) if model_config is not None else None
     return engine_config_for_pool(PageSupply(8 * -(-context // page_size), page_size), max_concurrency=8,
-                                  prepared_context=context, prefill_chunk=512, max_num_batched_tokens=2048)
+                                  prepared_context=context, prefill_chunk=512, max_num_batched_tokens=2048,
+                                  window=window)
 
 
 # Token buckets of the prompt graphs, up to 512 tokens. Above that a step's GPU work hides its launches:

@@ -28,6 +28,16 @@ from flare.engine.speculation.rounds import Drafter, SpeculationRounds
 from flare.engine.stats import EngineStats, RefusedRequest
 from flare.engine.step import ScheduledRow, StepRunner
 
+
+def page_allocator(config: EngineConfig):
+    """The allocator of the engine's cache: one page kind, or tokens and window pages (flare.engine.cache_pages)."""
+    if config.window_pages:
+        from flare.engine.cache_pages import CachePages
+
+        return CachePages(config.num_pages, config.window_pages, config.page_size, config.window_retention,
+                          config.enable_prefix_caching)
+    return PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
+
 class EngineCore:
     """`config.one_step_ahead`: plan and launch step N+1 before reading step N's ids (they stay on the
     device and feed step N+1 there), so the host's work overlaps the device's. Outputs are the same
@@ -51,7 +61,7 @@ class EngineCore:
         self.speculation = SpeculationRounds(config.speculation, config.decode_graph_sizes, drafter)
         self.launcher = StepLauncher(runner)
         self.kernel_builds = KernelBuilds()            # counts once the core process starts serving
-        self.allocator = PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.allocator = page_allocator(config)
         self.scheduler = Scheduler(config, self.allocator)
         self.requests: dict[str, Request] = {}       # scheduled, until they finish
         self._arrivals = itertools.count()

@@ -82,7 +82,8 @@ def load_checkpoint_model(directory: str | Path, engine_config: EngineConfig | N
     report(WeightsLoaded(time.perf_counter() - started))
     eos = merge_token_ids(model_config.eos_token_ids, generation_eos_token_ids(directory), extra_eos_token_ids)
     if engine_config is None:
-        engine_config = local_engine_config(model_config.max_position_embeddings)
+        engine_config = local_engine_config(model_config.max_position_embeddings, model_config,
+                                            torch.finfo(getattr(torch, dtype)).bits // 8)
     draft = None
     if engine_config.speculation.draft_model and engine_config.speculation.draft_tokens:
         draft = load_draft_model(directory, model_config, getattr(torch, dtype), device, target=model)
@@ -125,6 +126,17 @@ def build_draft(hf_config: dict, weights, target_config, dtype, device, target=N
     check_draft_vocabulary(config, target_config)
     model = load_model(config, weights(), dtype, device, attention_backend_for(config, device), on_bytes)
     return model, config
+
+
+def check_window_pages(config: EngineConfig, model_config, dtype_bytes: int) -> None:
+    """Refuse an engine configuration without the window pages the model's cache needs (DeepSeek V4)."""
+    from flare.models.cache_spec import cache_spec
+
+    spec = cache_spec(model_config, config.page_size, dtype_bytes)
+    if spec.has_window and (not config.window_pages or config.window_retention < spec.window_retention):
+        raise UsageError(f"this model's cache keeps window pages (a step reads {spec.window_retention} tokens back); "
+                         "build its engine configuration with them: engine_config_for_pool(..., "
+                         "window=spec.window_pool(...)) from flare.models.cache_spec")
 
 
 def check_draft_vocabulary(draft_config, target_config) -> None:
@@ -200,7 +212,9 @@ def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Cal
         from flare.engine.compile import compile_model
 
         compile_model(loaded.model)
-    runner = ModelRunner(loaded.model, loaded.model_config, loaded.engine_config, loaded.device,
+    config = loaded.engine_config
+    check_window_pages(config, loaded.model_config, torch.finfo(getattr(torch, loaded.dtype)).bits // 8)
+    runner = ModelRunner(loaded.model, loaded.model_config, config, loaded.device,
                          getattr(torch, loaded.dtype), seed, graphs=fast, draft=loaded.draft)
     if load_tokenizer is None and loaded.tokenizer_dir is not None:
         load_tokenizer = partial(_hf_tokenizer, loaded.tokenizer_dir)
@@ -208,7 +222,7 @@ def build_core(loaded: LoadedModel, seed: int | None = None, load_tokenizer: Cal
                   if load_tokenizer is not None else None)
     if structured is not None:
         structured.load_vocabulary()
-    return EngineCore(loaded.engine_config, runner, loaded.eos_token_ids, token_masker=structured)
+    return EngineCore(config, runner, loaded.eos_token_ids, token_masker=structured)
 
 
 def _hf_tokenizer(directory: str):

@@ -20,6 +20,13 @@ engine-core process; nothing persists or crosses a process boundary. A request's
 so the hashes of its full pages are computed once and kept until the request is freed for good
 (`free`); a request that gives its pages back to come again (`release_pages`: it could not be
 admitted yet, or was preempted) keeps them, so waiting at the head of the queue costs no rehashing.
+
+A model whose cache has a "window" page kind (flare.models.cache_spec: DeepSeek V4's sliding keys and
+compressor inputs) gets `CachePages`: one PageAllocator per kind over the same blocks of tokens. Its window
+allocator's tables start with released blocks (None) below each request's window: `allocate(..., start=)`
+gives back the blocks a step starting at `start` no longer reads (to the LRU when their content is
+recorded). A prefix matches as far as the tokens kind has it cached and the window kind still holds the
+blocks just before its end.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ class PageAllocator:
         self._refcounts = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()   # least recently used first
-        self._page_tables: dict[str, list[int]] = {}
+        self._page_tables: dict[str, list[int | None]] = {}   # None: a block given back below a window
         self._hash_chains: dict[str, list[bytes]] = {}             # request -> hashes of its cached pages
         self._token_hashes: dict[str, list[bytes]] = {}            # request -> hashes of its full pages so far
         self._page_of_hash: dict[bytes, int] = {}
@@ -69,16 +76,21 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Whether `request_id`'s pages can grow to hold `num_tokens` tokens in total."""
+    def can_allocate(self, request_id: str, num_tokens: int, start: int = 0) -> bool:
+        """Whether `request_id`'s pages can grow to hold `num_tokens` tokens in total (`start`: the first
+        position the next step computes; only CachePages reads it)."""
         return self._pages_missing(request_id, num_tokens) <= self.num_free_pages
 
     def holds(self, request_id: str) -> bool:
         """Whether `request_id` holds pages (a page table) now."""
         return request_id in self._page_tables
 
-    def page_table(self, request_id: str) -> list[int]:
-        """The request's pages in token order (read-only for callers)."""
+    def window_table(self, request_id: str) -> list[int | None]:
+        """A cache without window pages has none (flare.engine.cache_pages.CachePages has)."""
+        return []
+
+    def page_table(self, request_id: str) -> list[int | None]:
+        """The request's pages in token order, None for blocks given back (read-only for callers)."""
         return self._page_tables.get(request_id, [])
 
     # ---- changes ---------------------------------------------------------------------------------
@@ -89,26 +101,41 @@ class PageAllocator:
         Matches whole pages only, at most `max_tokens` tokens (the caller keeps at least one token to
         compute, since sampling needs its logits). Returns the number of tokens the pinned pages hold.
         """
+        blocks = self.cached_blocks(request_id, token_ids, max_tokens // self.page_size)
+        self.pin_blocks(request_id, token_ids, 0, blocks)
+        return blocks * self.page_size
+
+    def cached_blocks(self, request_id: str, token_ids: Sequence[int], max_blocks: int) -> int:
+        """How many leading blocks of the request's tokens the prefix cache holds (at most `max_blocks`)."""
+        if not self.enable_prefix_caching:
+            return 0
+        for index in range(max_blocks):
+            if self._content_hash(request_id, token_ids, index) not in self._page_of_hash:
+                return index
+        return max_blocks
+
+    def holds_cached(self, request_id: str, token_ids: Sequence[int], first: int, count: int) -> bool:
+        """Whether the prefix cache holds blocks first .. first + count - 1 of the request's tokens."""
+        return self.enable_prefix_caching and all(
+            self._content_hash(request_id, token_ids, index) in self._page_of_hash for index in range(first, first + count))
+
+    def pin_blocks(self, request_id: str, token_ids: Sequence[int], first: int, count: int) -> None:
+        """Start `request_id`'s table with the cached pages of blocks first .. first + count - 1 (None below)."""
         if request_id in self._page_tables:
             raise KVCacheIntegrityError(f"request {request_id!r} already holds pages")
-        table: list[int] = []
-        chain: list[bytes] = []
-        if self.enable_prefix_caching:
-            for index in range(max_tokens // self.page_size):
-                page_hash = self._content_hash(request_id, token_ids, index)
-                page = self._page_of_hash.get(page_hash)
-                if page is None:
-                    break
-                self._pin(page)
-                table.append(page)
-                chain.append(page_hash)
+        table: list[int | None] = [None] * first
+        for index in range(first, first + count):
+            page = self._page_of_hash[self._content_hash(request_id, token_ids, index)]
+            self._pin(page)
+            table.append(page)
         self._page_tables[request_id] = table
-        self._hash_chains[request_id] = chain
-        return len(table) * self.page_size
+        self._hash_chains[request_id] = [self._content_hash(request_id, token_ids, index)
+                                         for index in range(first + count)]
 
-    def allocate(self, request_id: str, num_tokens: int) -> None:
-        """Grow `request_id`'s pages to hold `num_tokens` tokens. Ask `can_allocate` first."""
-        missing = self._pages_missing(request_id, num_tokens)
+    def allocate(self, request_id: str, num_tokens: int, start: int = 0, first_block: int = 0) -> None:
+        """Grow `request_id`'s pages to hold `num_tokens` tokens. Ask `can_allocate` first. Blocks below
+        `first_block` that the table does not reach yet stay without a page (a window allocator's)."""
+        missing = self._pages_missing(request_id, num_tokens, first_block)
         if missing == 0 and request_id in self._page_tables:
             return                                          # the common decode step: room already
         if missing > self.num_free_pages:
@@ -116,8 +143,23 @@ class PageAllocator:
                 f"request {request_id!r} needs {missing} more pages, only {self.num_free_pages} are free")
         table = self._page_tables.setdefault(request_id, [])
         self._hash_chains.setdefault(request_id, [])
+        while len(table) < first_block:
+            table.append(None)
         for _ in range(missing):
             table.append(self._take_page())
+
+    def pages_freed_below(self, request_id: str, block: int) -> int:
+        """Pages `release_before(request_id, block)` would make free (those no other request holds)."""
+        return sum(page is not None and self._refcounts[page] == 1 for page in self.page_table(request_id)[:block])
+
+    def release_before(self, request_id: str, block: int) -> None:
+        """Give back `request_id`'s pages of blocks below `block` (recorded ones stay cached, in the LRU)."""
+        table = self._page_tables.get(request_id, [])
+        for index in range(min(block, len(table)) - 1, -1, -1):
+            if table[index] is None:
+                break                                       # released earlier, and everything below it
+            self._unpin(table[index])
+            table[index] = None
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Record the content of every page now full of computed tokens, so later requests can share it."""
@@ -129,6 +171,8 @@ class PageAllocator:
             page_hash = self._content_hash(request_id, token_ids, index)
             chain.append(page_hash)
             page = table[index]
+            if page is None:
+                continue                                    # given back before its content was recorded
             # Two requests may compute the same content at once; the first one's page is the cached one.
             if page_hash not in self._page_of_hash and page not in self._hash_of_page:
                 self._page_of_hash[page_hash] = page
@@ -145,21 +189,18 @@ class PageAllocator:
         self._hash_chains.pop(request_id, None)
         # Release the tail first so it is evicted before the prefix pages that more requests share.
         for page in reversed(table):
-            self._refcounts[page] -= 1
-            if self._refcounts[page] == 0:
-                if page in self._hash_of_page:
-                    self._evictable[page] = None
-                else:
-                    self._free.append(page)
+            if page is not None:
+                self._unpin(page)
 
     # ---- invariants ------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Raise KVCacheIntegrityError if any page is leaked, double-owned or inconsistently recorded."""
         problems: list[str] = []
-        owners = Counter(page for table in self._page_tables.values() for page in table)
+        owners = Counter(page for table in self._page_tables.values() for page in table if page is not None)
         for request_id, table in self._page_tables.items():
-            if len(set(table)) != len(table):
+            held = [page for page in table if page is not None]
+            if len(set(held)) != len(held):
                 problems.append(f"request {request_id!r} holds a page twice: {table}")
         for page in range(self.num_pages):
             if self._refcounts[page] != owners[page]:
@@ -188,8 +229,8 @@ class PageAllocator:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _pages_missing(self, request_id: str, num_tokens: int) -> int:
-        missing = -(-num_tokens // self.page_size) - len(self._page_tables.get(request_id, ()))
+    def _pages_missing(self, request_id: str, num_tokens: int, first_block: int = 0) -> int:
+        missing = -(-num_tokens // self.page_size) - max(len(self._page_tables.get(request_id, ())), first_block)
         return missing if missing > 0 else 0
 
     def _take_page(self) -> int:
@@ -201,6 +242,14 @@ class PageAllocator:
             self.num_evicted_pages += 1
         self._refcounts[page] = 1
         return page
+
+    def _unpin(self, page: int) -> None:
+        self._refcounts[page] -= 1
+        if self._refcounts[page] == 0:
+            if page in self._hash_of_page:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
 
     def _pin(self, page: int) -> None:
         if self._refcounts[page] == 0:

@@ -59,6 +59,7 @@ class Request:
         self.slot: int | None = None        # batch slot while running
         self.seated = False                 # the runner holds the request in its slot
         self.num_pages_sent = 0             # pages of its table the runner was given
+        self.window_blocks_sent = 0         # window blocks below this the runner was given (CachePages)
         self.draft_token_ids: tuple[int, ...] = ()   # proposed for the next step (speculation)
         self.num_proposed_drafts = 0                # drafts the runner's draft model is to propose after them
         self.samples_ahead: bool | None = None      # the runner's answer for its params, once asked

@@ -48,7 +48,7 @@ class ModelRunner:
                  capture: bool | None = None, draft=None) -> None:
         """`draft`: (model, its config) of a learned draft sharing the target's tokenizer, or None: a draft
         model (flare.models CausalLM, ModelConfig) or an EAGLE-3 head (Eagle3Draft, Eagle3Config)."""
-        from flare.engine.attention import allocate_kv_caches
+        from flare.engine.attention import allocate_caches
 
         self.model = model
         self.config = config
@@ -63,9 +63,10 @@ class ModelRunner:
         rows = max(config.decode_graph_sizes[-1], config.max_concurrency * (1 + config.speculation.draft_tokens) + 1)
         self.sampler = DeviceSampler(config.max_concurrency, self.vocab_size, self.device, seed, max_rows=rows)
         # Padded rows (graphs) and the padding slot write into one extra page the allocator never hands out.
-        self.kv_caches = allocate_kv_caches(model_config, config.num_pages + 1, config.page_size, dtype, self.device)
+        self.kv_caches = allocate_caches(model_config, config.num_pages + 1, config.window_pages + 1,
+                                         config.page_size, dtype, self.device)
         self.slots = BatchSlots(config.max_concurrency, config.max_pages_per_request, config.num_pages, self.device,
-                                self.sampler)
+                                self.sampler, window_dummy_page=config.window_pages if config.window_pages else None)
         self.proposer = None
         if draft is not None and config.speculation.draft_tokens:
             self.proposer = self._proposer(draft, dtype)

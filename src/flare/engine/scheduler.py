@@ -210,12 +210,12 @@ class Scheduler:
         target = request.num_computed_tokens + num_new
         if not self._make_room(request, target, step, now):
             return                                          # it preempted itself
-        self.allocator.allocate(request.request_id, target)
+        self.allocator.allocate(request.request_id, target, start=request.num_computed_tokens)
         step.add(ScheduledChunk.of(request, num_new, drafts, proposed), prefill)
 
     def _make_room(self, request: Request, num_tokens: int, step: _Planning, now: float) -> bool:
         """Preempt newer running requests until `request` can hold `num_tokens`; False if it went itself."""
-        while not self.allocator.can_allocate(request.request_id, num_tokens):
+        while not self.allocator.can_allocate(request.request_id, num_tokens, start=request.num_computed_tokens):
             victim = self._victim(request, now)
             self._preempt(victim, step)
             if victim is request:
@@ -247,6 +247,7 @@ class Scheduler:
         if request.slot is not None:
             heapq.heappush(self._free_slots, request.slot)
         request.slot, request.seated, request.num_pages_sent = None, False, 0
+        request.window_blocks_sent = 0
 
     def _admit(self, request: Request, step: _Planning, now: float) -> bool:
         """Try to start (or resume) the head of the queue; False if its next chunk does not fit now."""
@@ -256,11 +257,11 @@ class Scheduler:
         cached = self.allocator.match_prefix(request.request_id, request.all_token_ids, reusable)
         request.num_computed_tokens = cached
         num_new = self._prefill_size(request, step, now)
-        if num_new <= 0 or not self.allocator.can_allocate(request.request_id, cached + num_new):
+        if num_new <= 0 or not self.allocator.can_allocate(request.request_id, cached + num_new, start=cached):
             self.allocator.release_pages(request.request_id)    # unpin the matched prefix; retry next step
             request.num_computed_tokens = 0
             return False
-        self.allocator.allocate(request.request_id, cached + num_new)
+        self.allocator.allocate(request.request_id, cached + num_new, start=cached)
         request.status = RequestStatus.RUNNING
         request.slot = heapq.heappop(self._free_slots)
         self.running.append(request)
@@ -271,6 +272,16 @@ class Scheduler:
             self.num_prefix_miss_tokens += request.num_prompt_tokens - cached
         return True
 
+
+    def _new_window_pages(self, request: Request) -> tuple[int, tuple[int, ...]]:
+        """(first block, pages) of the request's window table the runner has not been given (none without a
+        window kind): blocks only grow, and those below a window are never sent again."""
+        table = self.allocator.window_table(request.request_id)
+        first = request.window_blocks_sent
+        while first < len(table) and table[first] is None:
+            first += 1
+        request.window_blocks_sent = len(table)
+        return first, tuple(table[first:])
 
     def _output(self, chunks: list[ScheduledChunk]) -> SchedulerOutput:
         """The plan of these chunks: new seats, the pages each request gained, the slots freed meanwhile.
@@ -286,9 +297,11 @@ class Scheduler:
                                                tuple(request.output_token_ids), request.params))
                 request.seated = True
             table = self.allocator.page_table(request.request_id)
+            first, window = self._new_window_pages(request)
             rows.append(ScheduledRow(request.request_id, request.slot, chunk.start, chunk.num_new_tokens,
                                      tuple(table[request.num_pages_sent:]), chunk.completes, chunk.draft_token_ids,
-                                     num_proposed=chunk.num_proposed))
+                                     num_proposed=chunk.num_proposed, window_first_block=first,
+                                     window_page_ids=window))
             request.num_pages_sent = len(table)
         plan = StepPlan(tuple(rows), tuple(new_requests), tuple(self._finished_ids), tuple(self._preempted_ids))
         self._finished_ids, self._preempted_ids = [], []

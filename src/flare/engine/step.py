@@ -60,6 +60,10 @@ class ScheduledRow(msgspec.Struct, frozen=True):
     # t % 32 of word t // 32 set = token t allowed (xgrammar's layout). None: every token allowed.
     token_mask: np.ndarray | None = None
     num_proposed: int = 0                   # drafts the runner's draft model proposes after draft_token_ids
+    # Window pages (a cache with a "window" kind, flare.engine.cache_pages): the slot's window table takes
+    # `window_page_ids` at blocks window_first_block.. before the step; blocks below its window are stale.
+    window_first_block: int = 0
+    window_page_ids: tuple[int, ...] = ()
 
     @property
     def num_drafts(self) -> int:

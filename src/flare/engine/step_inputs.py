@@ -92,13 +92,15 @@ def flat_metadata(slots: BatchSlots, page_size: int, lens: np.ndarray, seq_lens:
     the slots' page tables; the device tensors are the rows' query starts, sequence lengths and slots, and
     each token's row slot and position; `host_query_start` is the host copy of the query starts."""
     width = int(-(-seq_lens.max() // page_size))
+    window = slots.window_page_tables
     return AttentionMetadata(
         query_start_loc=query_start.to(torch.int32), seq_lens=seq_lens_d.to(torch.int32),
         page_tables=slots.page_tables[:, :width].index_select(0, row_slots),
         slot_mapping=slots.page_tables[token_slots, positions // page_size].to(torch.int64) * page_size
         + positions % page_size,
         max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), page_size=page_size,
-        num_decodes=leading_decodes(lens.tolist()), host_query_start=host_query_start, host_seq_lens=seq_lens)
+        num_decodes=leading_decodes(lens.tolist()), host_query_start=host_query_start, host_seq_lens=seq_lens,
+        window_block_tables=None if window is None else window[:, :width].index_select(0, row_slots))
 
 
 def decode_rows(plan: StepPlan, slots: BatchSlots) -> np.ndarray:

@@ -110,12 +110,29 @@ class CacheSpec:
         per_request = -(-self.window_retention // self.page_size) + 2
         return 2 * (max_concurrency * per_request + -(-step_tokens // self.page_size))
 
+    def window_pool(self, prompt_tokens: int):
+        """This cache's window pages as `flare.memory.WindowPool` (empty without a window kind), for steps
+        of up to `prompt_tokens` prompt tokens."""
+        from flare.memory import WindowPool
+
+        if not self.has_window:
+            return WindowPool()
+        return WindowPool(self.window_page_bytes, self.window_pages_per_request, -(-prompt_tokens // self.page_size),
+                          self.window_retention)
+
     def sequence_bytes(self, tokens: int) -> int:
         """Bytes one sequence of `tokens` tokens holds once computed: every "tokens" page it covers and
         the window pages over its last `window_retention` tokens."""
         pages = -(-tokens // self.page_size)
         window = min(pages, -(-self.window_retention // self.page_size) + 1) if self.has_window else 0
         return pages * self.tokens_page_bytes + window * self.window_page_bytes
+
+
+def smallest_page_size(cfg: ModelConfig) -> int:
+    """The smallest page holding whole rows of every component: the largest compression rate (1: none)."""
+    if cfg.v4 is None:
+        return 1
+    return max([cfg.v4.rate(kind) for kind in cfg.v4.layer_types] + [1])
 
 
 def cache_spec(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> CacheSpec:
