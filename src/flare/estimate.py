@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from flare.errors import CapacityError
-from flare.memory import (GiB, MiB, Budget, FixedCosts, KVCacheLimit, KVGeometry, KVPool, format_gpus,
+from flare.memory import (GiB, MiB, Budget, FixedCosts, KVCacheLimit, KVGeometry, KVPool, WindowPool, format_gpus,
                           minimum_pages, pool_minimum, request_floor)
 
 INDENT = " " * len("error: ")       # continuation lines line up under the first line's text
@@ -42,6 +42,7 @@ class MemoryEstimate:
     max_context: int                        # the prepared context (prompt + generated tokens)
     page_size: int                          # tokens per KV page
     tensor_parallel: int = 1
+    window: WindowPool = WindowPool()       # window pages on each GPU (a cache with a window kind)
 
     def requirement(self) -> "Requirement":
         """The smallest per-GPU footprint the engine accepts at this concurrency and TP size.
@@ -56,6 +57,7 @@ class MemoryEstimate:
             prefix_cache=-(-self.prefix_cache_bytes_per_request * self.max_concurrency // tp),
             minimum_pages=-(-self.kv_bytes_per_token * minimum.pages * self.page_size // tp),
             minimum_text=minimum.text,
+            window_pages=self.window.bytes(self.max_concurrency),
         )
 
 
@@ -69,16 +71,18 @@ class Requirement:
     prefix_cache: int
     minimum_pages: int
     minimum_text: str                       # what the minimum pages hold: "4 × 8,192 tokens"
+    window_pages: int = 0                   # window pages (a cache with a window kind), shown when there are some
 
     @property
     def total(self) -> int:
-        return self.weights + self.graphs + self.live_state + self.prefix_cache + self.minimum_pages
+        return self.weights + self.graphs + self.live_state + self.prefix_cache + self.minimum_pages + self.window_pages
 
     def text(self) -> str:
         pages = f"{_gib(self.minimum_pages)} minimum pages ({self.minimum_text})"
+        window = f" + {_gib(self.window_pages)} window pages" if self.window_pages else ""
         return (f"needs {_gib(self.weights)} weights + {_gib(self.graphs)} graphs + "
                 f"{_gib(self.live_state)} live state + {_gib(self.prefix_cache)} prefix cache\n"
-                f"{INDENT}+ {pages} = {_gib(self.total)};")
+                f"{INDENT}+ {pages}{window} = {_gib(self.total)};")
 
 
 def _gib(size: int) -> str:
@@ -210,7 +214,8 @@ def pool_capacity_error(budget: Budget, fixed: FixedCosts, geometry: KVGeometry,
     minimum = pool_minimum(geometry, kv_cache_limit)
     requirement = Requirement(weights=fixed.weights, graphs=fixed.graphs, live_state=fixed.live_state,
                               prefix_cache=fixed.prefix_cache_floor,
-                              minimum_pages=minimum.pages * geometry.bytes_per_page, minimum_text=minimum.text)
+                              minimum_pages=minimum.pages * geometry.bytes_per_page, minimum_text=minimum.text,
+                              window_pages=fixed.window_pages)
     options = []
     reserve = reserve_option(budget, requirement.total)
     if reserve:

@@ -340,6 +340,26 @@ def memory_budget(device: DeviceMemory, headroom: int, limit: MemoryLimit | None
 # ----------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class WindowPool:
+    """The window pages of a cache with a "window" page kind (flare.models.cache_spec: DeepSeek V4's sliding
+    keys and compressor inputs), kept beside the KV pages: `pages_per_request` for each active request and
+    `fixed_pages` for a step's prompt tokens (CacheSpec.window_pages_for), plus one page padded rows write."""
+
+    page_bytes: int = 0
+    pages_per_request: int = 0
+    fixed_pages: int = 0
+    retention: int = 0        # tokens before its first position a step reads from them (EngineConfig.window_retention)
+
+    def pages(self, max_concurrency: int) -> int:
+        if not self.page_bytes:
+            return 0
+        return max_concurrency * self.pages_per_request + self.fixed_pages
+
+    def bytes(self, max_concurrency: int) -> int:
+        return (self.pages(max_concurrency) + 1) * self.page_bytes if self.page_bytes else 0
+
+
+@dataclass(frozen=True)
 class FixedCosts:
     """Per-device bytes that come before KV pages (declared before loading, observed after)."""
 
@@ -347,10 +367,11 @@ class FixedCosts:
     graphs: int               # graphs and scratch
     live_state: int
     prefix_cache_floor: int
+    window_pages: int = 0     # a cache's window pages (WindowPool.bytes)
 
     @property
     def total(self) -> int:
-        return self.weights + self.graphs + self.live_state + self.prefix_cache_floor
+        return self.weights + self.graphs + self.live_state + self.prefix_cache_floor + self.window_pages
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,7 @@ def describe(recipe: Recipe, checkpoint: Checkpoint, command: str = "export") ->
     if checkpoint.config:
         stored = fp8_weights_of(checkpoint.config)
         rows.append(("weights", stored.describe() if stored else "the checkpoint's (bfloat16 when served on a GPU)"))
-        rows.append(("KV cache", f"{kv_bytes_per_token(checkpoint.config) / 1024:,.0f} KiB per cached token "
-                                 f"(bfloat16, one GPU); {kv_bytes_per_token(checkpoint.config, kv_cache_dtype='fp8') / 1024:,.0f} "
-                                 "KiB with --kv-cache-dtype fp8"))
+        rows += recipe.cache_help(checkpoint)
     rows.append(("online FP8", _online_fp8(recipe, checkpoint)))
     rows += [
         ("prefill chunk", f"{recipe.prefill_chunk:,} tokens (--prefill-chunk-size)"),

@@ -98,17 +98,24 @@ class CacheSpec:
         """The first block a step starting at position `start` reads from window pages."""
         return max(0, start - self.window_retention) // self.page_size
 
-    def window_pages_for(self, max_concurrency: int, step_tokens: int) -> int:
-        """Window pages the engine keeps: twice what the running requests can hold at once.
-
-        A request between steps holds the blocks over its last `window_retention` tokens (at most
-        ceil(retention / page) + 1); a step adds the blocks its new tokens reach, and all of a step's new
-        tokens together reach at most ceil(step_tokens / page) + one per request. The second half keeps
-        the last windows of finished requests for the prefix cache (a later turn matches at their end)."""
+    @property
+    def window_pages_per_request(self) -> int:
+        """Window pages the pool keeps per active request (`window_pages_for`)."""
         if not self.has_window:
             return 0
-        per_request = -(-self.window_retention // self.page_size) + 2
-        return 2 * (max_concurrency * per_request + -(-step_tokens // self.page_size))
+        return 2 * -(-self.window_retention // self.page_size) + 3
+
+    def window_pages_for(self, max_concurrency: int, prompt_tokens: int) -> int:
+        """Window pages the engine keeps for `max_concurrency` requests and steps of up to `prompt_tokens`
+        prompt tokens: what they can hold at once, and the last window of as many finished requests.
+
+        A request between steps holds the blocks over its last `window_retention` tokens (at most
+        ceil(retention / page) + 1); its step's new tokens reach one block more, and a step's prompt
+        tokens together at most ceil(prompt_tokens / page) beyond that. A finished request leaves its last
+        ceil(retention / page) + 1 blocks cached, where the next turn of its conversation matches."""
+        if not self.has_window:
+            return 0
+        return max_concurrency * self.window_pages_per_request + -(-prompt_tokens // self.page_size)
 
     def window_pool(self, prompt_tokens: int):
         """This cache's window pages as `flare.memory.WindowPool` (empty without a window kind), for steps

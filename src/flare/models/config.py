@@ -172,6 +172,9 @@ class ModelConfig:
         _require_common_features(hf)
         heads = hf["num_attention_heads"]
         fields = FAMILY_FIELDS[family](hf)
+        if fields.get("v4") is not None and kv_cache_dtype == "fp8":
+            raise UnsupportedModel("--kv-cache-dtype fp8 is not supported for DeepSeek V4: its compressed cache stays "
+                                   "in the serving dtype")
         fields.setdefault("head_dim", hf.get("head_dim") or hf["hidden_size"] // heads)
         return cls(
             architecture=architecture,

@@ -273,8 +273,37 @@ def _memory_map(package: Package, ranks: tuple[Rank, ...]) -> list[dict]:
                                  "file": str(location.path), "offset": location.offset})
         result.append({"rank": rank.rank, "payloads": payloads,
                        "kv_bytes_per_token": _kv_bytes_per_token(package.manifest),
-                       "kv_pages": "sized at load from free device memory"})
+                       "kv_pages": "sized at load from free device memory",
+                       "cache": _cache_layout(package.manifest)})
     return result
+
+
+def _cache_layout(manifest: Manifest) -> dict | None:
+    """What each cached token costs, by page kind and component (flare.models.cache_spec), and one whole
+    context's bytes at the prepared context and at 1,048,576 tokens; None where the config cannot say."""
+    from flare.models import ModelConfig, UnsupportedModel
+    from flare.models.cache_spec import cache_spec
+
+    plan = manifest.plan
+    try:
+        cfg = ModelConfig.from_hf_config(manifest.checkpoint.config, online_fp8=plan.online_fp8,
+                                         kv_cache_dtype=plan.kv_cache_dtype)
+    except (UnsupportedModel, KeyError, TypeError):
+        return None
+    spec = cache_spec(cfg, plan.page_size, DTYPE_BYTES.get(plan.dtype, 2))
+    kinds = {}
+    for kind in ("tokens", "window"):
+        components = spec.of_kind(kind)
+        if not components:
+            continue
+        names = sorted({component.name for component in components})
+        kinds[kind] = {"page_bytes": sum(c.bytes_per_page(spec.page_size) for c in components),
+                       "components": {name: sum(c.bytes_per_page(spec.page_size) for c in components
+                                                if c.name == name) for name in names}}
+    contexts = sorted({plan.max_model_len or 0, 1 << 20} - {0})
+    return {"page_size": spec.page_size, "kinds": kinds, "bytes_per_token": spec.bytes_per_token,
+            "window_retention": spec.window_retention, "window_pages_per_request": spec.window_pages_per_request,
+            "context_bytes": {str(tokens): spec.sequence_bytes(tokens) for tokens in contexts}}
 
 
 def _frontend(package: Package, reply_parsers: Callable[[Path], dict]) -> dict:
@@ -368,6 +397,20 @@ def _summary_sections(report: dict) -> list[Section]:
     ]
 
 
+def _cache_section(rank: int, cache: dict) -> Section:
+    rows = [("page", f"{cache['page_size']:,} tokens"),
+            ("per token", f"{cache['bytes_per_token']:,.1f} bytes (tokens pages; window pages below)")]
+    for kind, layout in cache["kinds"].items():
+        parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in layout["components"].items())
+        rows.append((f"{kind} page", f"{format_bytes(layout['page_bytes'])}: {parts}"))
+    if "window" in cache["kinds"]:
+        rows.append(("window pages", f"{cache['window_pages_per_request']} per active request (a step reads "
+                                     f"{cache['window_retention']:,} tokens back), plus a step's prompt tokens"))
+    for tokens, size in cache["context_bytes"].items():
+        rows.append((f"{int(tokens):,} tokens", f"{format_bytes(size)} for one sequence"))
+    return Section(f"KV cache, rank {rank}", rows)
+
+
 def _detail_sections(report: dict) -> list[Section]:
     result = []
     for rank_map in report.get("memory_map", []):
@@ -375,6 +418,8 @@ def _detail_sections(report: dict) -> list[Section]:
                               table=(["payload", "kind", "bytes", "storage", "offset", "sha256"],
                                      [[p["name"], p["kind"], f"{p['size']:,}", _storage_text(p["storage"]),
                                        f"{p['offset']:,}", p["sha256"][:16]] for p in rank_map["payloads"]])))
+        if rank_map.get("cache"):
+            result.append(_cache_section(rank_map["rank"], rank_map["cache"]))
     for graphs in report.get("graphs", []):
         catalog = graphs["catalog"]
         result.append(Section(f"Graphs, rank {graphs['rank']}",

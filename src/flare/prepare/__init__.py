@@ -398,8 +398,9 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
     from flare.memory import check_gpu_selection, engine_headroom, memory_budget, read_device_memory
     from flare.memory import read_host_memory
     from flare.package import weights as wt
+    from flare.engine.config import step_token_budget
     from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
-                                    snapshot_bytes)
+                                    snapshot_bytes, window_pool)
     from flare.speculation_plan import speculation_memory
     token_bytes = kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype], kv_cache_dtype=plan.kv_cache_dtype)
     draft_weights = 0
@@ -419,7 +420,9 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
                                                                   plan.max_model_len) + verify.per_request,
         prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
         kv_bytes_per_token=token_bytes,
-        max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size)
+        max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size,
+        window=window_pool(hf_config, plan.page_size, step_token_budget(plan.prefill_chunk, plan.max_concurrency),
+                           wt.DTYPE_BYTES[plan.dtype]))
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
     headroom = max(engine_headroom("preparation", plan.prefill_chunk), engine_headroom("serving"))
     budgets = [memory_budget(d, headroom, reserve=plan.memory_reserve_bytes) for d in devices]

@@ -231,6 +231,12 @@ class Recipe:
         """Captured batch sizes up to the first one that holds `max_concurrency` requests."""
         return decode_capacities_for(self.decode_capacities, max_concurrency)
 
+    def cache_help(self, checkpoint: Checkpoint) -> list[tuple[str, str]]:
+        """`MODEL --help`'s rows on the KV cache (a family with another cache states its own)."""
+        config = checkpoint.config
+        return [("KV cache", f"{kv_bytes_per_token(config) / 1024:,.0f} KiB per cached token (bfloat16, one GPU); "
+                             f"{kv_bytes_per_token(config, kv_cache_dtype='fp8') / 1024:,.0f} KiB with --kv-cache-dtype fp8")]
+
     # The recipe's memory cost model (spec section 9); every family here is a dense decoder, so all
     # share the functions below. A family with other state (sliding windows, MTP heads) overrides these.
 
@@ -263,11 +269,21 @@ def kv_heads(hf_config: Mapping[str, Any]) -> int:
     return int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"])
 
 
+def _v4():
+    """The DeepSeek V4 cost model, for configs it owns (flare.recipes.deepseek_v4.is_deepseek_v4)."""
+    from flare.recipes import deepseek_v4
+
+    return deepseek_v4
+
+
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYTES,
                        tensor_parallel: int = 1, kv_cache_dtype: str = "auto") -> int:
     """Bytes one cached token occupies on one rank: K and V for every layer. `kv_cache_dtype` "fp8": one
     byte per element and a float32 scale per KV head (flare.models.quantization), else `dtype_bytes`. A
-    latent-attention (MLA) config caches one latent row per layer instead, on every rank."""
+    latent-attention (MLA) config caches one latent row per layer instead, on every rank. DeepSeek V4: its
+    "tokens" pages per token (flare.models.cache_spec), whole on every rank."""
+    if _v4().is_deepseek_v4(hf_config):
+        return _v4().kv_bytes_per_token(hf_config, dtype_bytes)
     if deepseek_costs.is_mla(hf_config):
         return deepseek_costs.latent_bytes_per_token(hf_config, dtype_bytes, kv_cache_dtype)
     per_rank_kv_heads = max(1, kv_heads(hf_config) // tensor_parallel)
@@ -276,6 +292,17 @@ def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYT
     else:
         per_head = head_dim(hf_config) * dtype_bytes
     return 2 * hf_config["num_hidden_layers"] * per_rank_kv_heads * per_head
+
+
+def window_pool(hf_config: Mapping[str, Any], page_size: int, prompt_tokens: int,
+                dtype_bytes: int = BF16_BYTES):
+    """The window pages a model's cache keeps beside its KV pages (`flare.memory.WindowPool`; none for a
+    cache without a window kind): DeepSeek V4's sliding keys and compressor inputs."""
+    from flare.memory import WindowPool
+
+    if not _v4().is_deepseek_v4(hf_config):
+        return WindowPool()
+    return _v4().cache_spec_of(hf_config, dtype_bytes, page_size).window_pool(prompt_tokens)
 
 
 def snapshot_bytes(hf_config: Mapping[str, Any]) -> int:
@@ -300,6 +327,8 @@ def live_state_bytes_per_request(hf_config: Mapping[str, Any], page_size: int,
 
 def activation_bytes_per_token(hf_config: Mapping[str, Any], tensor_parallel: int = 1) -> int:
     """Peak bf16 activation bytes one token needs inside a layer: residual, q/k/v, attention out, MLP."""
+    if _v4().is_deepseek_v4(hf_config):
+        return _v4().activation_bytes_per_token(hf_config, tensor_parallel)
     if deepseek_costs.is_mla(hf_config):
         return deepseek_costs.activation_bytes_per_token(hf_config, BF16_BYTES, tensor_parallel)
     hidden = hf_config["hidden_size"]
@@ -320,8 +349,10 @@ def graph_and_scratch_bytes(hf_config: Mapping[str, Any], max_concurrency: int, 
     fixed = 512 * MIB
     tokens = prefill_chunk + max_concurrency
     logits = max_concurrency * hf_config["vocab_size"] * FLOAT32_BYTES
+    indexer = (_v4().indexer_scratch_bytes(hf_config, hf_config["max_position_embeddings"])
+               if _v4().is_deepseek_v4(hf_config) else 0)
     return (fixed + tokens * activation_bytes_per_token(hf_config, tensor_parallel) + logits
-            + fp8_scratch_bytes(hf_config, tensor_parallel, online_fp8))
+            + fp8_scratch_bytes(hf_config, tensor_parallel, online_fp8) + indexer)
 
 
 def fp8_scratch_bytes(hf_config: Mapping[str, Any], tensor_parallel: int = 1, online_fp8: tuple[str, ...] = (),
@@ -332,6 +363,10 @@ def fp8_scratch_bytes(hf_config: Mapping[str, Any], tensor_parallel: int = 1, on
     fp8 = online_fp8_weights(online_fp8) if online_fp8 else fp8_weights_of(hf_config)
     if fp8 is None or deepseek_costs.is_mla(hf_config):   # MLA: kv_b_proj is dequantized; experts' own buffers
         return 0
+    if _v4().is_deepseek_v4(hf_config):       # the largest FP8 projection: wq_b, wo_a or wo_b
+        heads_width = hf_config["num_attention_heads"] * hf_config.get("head_dim", 512)
+        return heads_width * max(hf_config.get("q_lora_rank", 1024), hf_config["hidden_size"]
+                                 // hf_config.get("o_groups", 8)) * dtype_bytes // tensor_parallel
     shapes = projection_shapes(hf_config)
     largest = 0
     for fused in FUSED_PROJECTIONS:
@@ -372,6 +407,8 @@ def decode_weight_bytes(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BY
     (one row per token), plus the output projection once, whether tied or stored separately. FP8
     projections (the checkpoint's, or `online_fp8`'s) count their e4m3 bytes and their scales as a
     package stores them (float32)."""
+    if _v4().is_deepseek_v4(hf_config):
+        return _v4().decode_weight_bytes(hf_config)
     # The embedding table's bytes stand in for the output projection's: the same vocab x hidden shape.
     return weight_bytes(hf_config, False, dtype_bytes, FLOAT32_BYTES, online_fp8, active=True)
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 import difflib
 
 from flare.errors import UsageError
-from flare.recipes import deepseek, demo, llama, mistral, qwen2, qwen3
+from flare.recipes import deepseek, deepseek_v4, demo, llama, mistral, qwen2, qwen3
 from flare.recipes.base import Checkpoint, Recipe
 
 # Order matters only for `recipe_for_architecture`: the Llama family comes before the demo, which
 # shares its architecture but serves only its own built-in checkpoint.
 _RECIPES: tuple[Recipe, ...] = (llama.RECIPE, qwen2.RECIPE, qwen3.RECIPE, mistral.RECIPE, deepseek.RECIPE,
-                                demo.RECIPE)
+                                deepseek_v4.RECIPE, demo.RECIPE)
+# Aliases the specification names that no recipe serves, each with the reason (a recipe module's WITHHELD).
+_WITHHELD: dict[str, str] = {**deepseek_v4.WITHHELD}
 
 
 def all_recipes() -> tuple[Recipe, ...]:
@@ -70,6 +72,9 @@ def suggest_alias(name: str) -> str | None:
 
 def unknown_alias_error(name: str) -> UsageError:
     """The usage error for a MODEL that is neither a directory, a repository id nor a declared alias."""
+    withheld = _WITHHELD.get(name.strip().lower())
+    if withheld is not None:
+        return UsageError(withheld)
     suggestion = suggest_alias(name)
     hint = f"; did you mean {suggestion}?" if suggestion else ""
     return UsageError(

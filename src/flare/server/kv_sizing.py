@@ -19,7 +19,7 @@ from flare.engine.config import serving_scratch_bytes, step_token_budget
 from flare.estimate import size_kv_pool
 from flare.memory import (KV_CACHE_LIMITS, FixedCosts, KVGeometry, KVPool, engine_headroom, memory_budget,
                           parse_kv_cache_limit, parse_memory_limit, read_device_memory)
-from flare.recipes.base import kv_bytes_per_token, live_state_bytes_per_request
+from flare.recipes.base import kv_bytes_per_token, live_state_bytes_per_request, window_pool
 from flare.server.served_model import ServedModel
 
 __all__ = ["KV_CACHE_LIMITS", "KVPool", "serving_engine_config", "serving_kv_pool", "step_token_budget"]
@@ -52,12 +52,19 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
                        live_state=concurrency * (live_state_bytes_per_request(model.hf_config, model.page_size,
                                                                               model.max_model_len)
                                                  + verify.per_request),
-                       prefix_cache_floor=0)
+                       prefix_cache_floor=0,
+                       window_pages=serving_window_pool(model, concurrency).bytes(concurrency))
     geometry = KVGeometry(page_size=model.page_size, bytes_per_token=token_bytes,
                           max_context=model.max_model_len, max_concurrency=concurrency)
     if device.host and limit_mode == "memory":
         limit_mode = "concurrency"
     return size_kv_pool(budget, fixed, geometry, limit_mode)
+
+
+def serving_window_pool(model: ServedModel, concurrency: int):
+    """The window pages the served model's cache keeps at `concurrency` (none for most models)."""
+    return window_pool(model.hf_config, model.page_size, step_token_budget(model.prefill_chunk, concurrency),
+                       _DTYPE_BYTES.get(model.dtype, 4))
 
 
 def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, scheduler_policy=None,
@@ -70,9 +77,12 @@ def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, sc
 
     sizes = decode_capacities_for(model.decode_capacities, concurrency) if model.decode_capacities else ()
     budget = step_token_budget(model.prefill_chunk, concurrency)
+    window = serving_window_pool(model, concurrency)
     return engine_config_for_pool(pool, max_concurrency=concurrency, prepared_context=model.max_model_len,
                                   prefill_chunk=model.prefill_chunk, max_num_batched_tokens=budget,
                                   prepared_concurrency=model.prepared_concurrency,
                                   scheduler_policy=scheduler_policy, decode_graph_sizes=sizes,
                                   prompt_graph_sizes=prompt_sizes_for(model.prompt_graph_sizes, budget),
-                                  speculation=speculation)
+                                  speculation=speculation,
+                                  window=window)
+
