@@ -43,6 +43,7 @@ class MemoryEstimate:
     page_size: int                          # tokens per KV page
     tensor_parallel: int = 1
     window: WindowPool = WindowPool()       # window pages on each GPU (a cache with a window kind)
+    kv_replicated: bool = False             # every rank holds the whole cache (one KV head read by all)
 
     def requirement(self) -> "Requirement":
         """The smallest per-GPU footprint the engine accepts at this concurrency and TP size.
@@ -55,7 +56,8 @@ class MemoryEstimate:
             graphs=self.graphs_bytes,
             live_state=self.live_state_bytes_per_request * self.max_concurrency,
             prefix_cache=-(-self.prefix_cache_bytes_per_request * self.max_concurrency // tp),
-            minimum_pages=-(-self.kv_bytes_per_token * minimum.pages * self.page_size // tp),
+            minimum_pages=-(-self.kv_bytes_per_token * minimum.pages * self.page_size
+                            // (1 if self.kv_replicated else tp)),
             minimum_text=minimum.text,
             window_pages=self.window.bytes(self.max_concurrency),
         )

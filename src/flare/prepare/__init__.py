@@ -393,36 +393,14 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
     estimate does not fit them: the section-6 capacity error. A learned draft adds its weights and its
     K/V per cached token (its pages are the target's)."""
     from dataclasses import replace
-    from flare.engine.config import serving_scratch_bytes
-    from flare.estimate import MemoryEstimate, check_estimate, choose_gpus
+    from flare.estimate import check_estimate, choose_gpus
     from flare.memory import check_gpu_selection, engine_headroom, memory_budget, read_device_memory
     from flare.memory import read_host_memory
     from flare.package import weights as wt
-    from flare.engine.config import step_token_budget
-    from flare.recipes.base import (kv_bytes_per_token, live_state_bytes_per_request,
-                                    snapshot_bytes, window_pool)
-    from flare.speculation_plan import speculation_memory
-    token_bytes = kv_bytes_per_token(hf_config, wt.DTYPE_BYTES[plan.dtype], kv_cache_dtype=plan.kv_cache_dtype)
-    draft_weights = 0
-    if draft_dir is not None:
-        token_bytes += kv_bytes_per_token(plan.speculation.draft.config, wt.DTYPE_BYTES[plan.dtype])
-        draft_weights = wt.serving_bytes(wt.checkpoint_tensor_files(draft_dir), plan.dtype)
-    speculation = plan.speculation
-    verify = speculation_memory(hf_config, plan.max_concurrency, speculation.draft_tokens if speculation else 0,
-                                speculation.token_capacity if speculation else None, plan.page_size, token_bytes)
-    estimate = MemoryEstimate(
-        weights_bytes=wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype,
-                                       wt.online_fp8_of(plan)) + draft_weights,
-        # What serving will set aside beside the pages, so that a package that prepares also serves here.
-        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk, plan.online_fp8)
-        + verify.scratch,
-        live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan.page_size,
-                                                                  plan.max_model_len) + verify.per_request,
-        prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
-        kv_bytes_per_token=token_bytes,
-        max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size,
-        window=window_pool(hf_config, plan.page_size, step_token_budget(plan.prefill_chunk, plan.max_concurrency),
-                           wt.DTYPE_BYTES[plan.dtype]))
+
+    draft_weights = wt.serving_bytes(wt.checkpoint_tensor_files(draft_dir), plan.dtype) if draft_dir else 0
+    weights = wt.serving_bytes(wt.checkpoint_tensor_files(checkpoint_dir), plan.dtype, wt.online_fp8_of(plan))
+    estimate = plan_estimate(hf_config, plan, weights + draft_weights, with_draft=draft_dir is not None)
     devices = read_device_memory() if device == "cuda" else [read_host_memory()]
     headroom = max(engine_headroom("preparation", plan.prefill_chunk), engine_headroom("serving"))
     budgets = [memory_budget(d, headroom, reserve=plan.memory_reserve_bytes) for d in devices]
@@ -442,6 +420,38 @@ def _fit_memory(checkpoint_dir: Path, hf_config: dict, plan: Plan, recipe: Recip
                        all_budgets=budgets, tensor_parallel_sizes=sizes)
     return MemoryFit(selected, replace(estimate, tensor_parallel=len(selected)),
                      tuple(budgets[i] for i in selected), tuple(budgets), sizes)
+
+
+def plan_estimate(hf_config: dict, plan: Plan, weights_bytes: int, with_draft: bool = False):
+    """The section-6 estimate (`flare.estimate.MemoryEstimate`) of serving `plan` with `weights_bytes` of
+    weights: what serving sets aside beside the pages (scratch for the step budget, verification, live
+    state, a cache's window pages), so that a package that prepares also serves here."""
+    from flare.engine.config import serving_scratch_bytes, step_token_budget
+    from flare.estimate import MemoryEstimate
+    from flare.package import weights as wt
+    from flare.recipes.base import kv_bytes_per_token, live_state_bytes_per_request, snapshot_bytes, window_pool
+    from flare.recipes.deepseek_v4 import is_deepseek_v4
+    from flare.speculation_plan import speculation_memory
+
+    dtype_bytes = wt.DTYPE_BYTES[plan.dtype]
+    token_bytes = kv_bytes_per_token(hf_config, dtype_bytes, kv_cache_dtype=plan.kv_cache_dtype)
+    if with_draft:
+        token_bytes += kv_bytes_per_token(plan.speculation.draft.config, dtype_bytes)
+    speculation = plan.speculation
+    verify = speculation_memory(hf_config, plan.max_concurrency, speculation.draft_tokens if speculation else 0,
+                                speculation.token_capacity if speculation else None, plan.page_size, token_bytes)
+    return MemoryEstimate(
+        weights_bytes=weights_bytes,
+        graphs_bytes=serving_scratch_bytes(hf_config, plan.max_concurrency, plan.prefill_chunk, plan.online_fp8)
+        + verify.scratch,
+        live_state_bytes_per_request=live_state_bytes_per_request(hf_config, plan.page_size,
+                                                                  plan.max_model_len) + verify.per_request,
+        prefix_cache_bytes_per_request=snapshot_bytes(hf_config),
+        kv_bytes_per_token=token_bytes,
+        max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size,
+        window=window_pool(hf_config, plan.page_size, step_token_budget(plan.prefill_chunk, plan.max_concurrency),
+                           dtype_bytes),
+        kv_replicated=is_deepseek_v4(hf_config))
 
 
 @dataclass(frozen=True)
