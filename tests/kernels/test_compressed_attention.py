@@ -52,7 +52,7 @@ def test_sparse_attention_matches_its_reference(kernel_device, dtype, lengths, n
     from flare.kernels.compressed_attention import sparse_attention
 
     window_kv, window_tables = paged(1, dim, lengths, 1, dtype, kernel_device, seed=1)
-    entries, block_tables = paged(rate, dim, lengths, rate, dtype, kernel_device, seed=2)
+    entries, page_tables = paged(rate, dim, lengths, rate, dtype, kernel_device, seed=2)
     query, seq, positions = batch(lengths, new, heads, dim, dtype, kernel_device)
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)).to(kernel_device)
     visible = (positions + 1) // rate
@@ -62,9 +62,9 @@ def test_sparse_attention_matches_its_reference(kernel_device, dtype, lengths, n
         for t, count in enumerate(visible.tolist()):
             chosen = torch.randperm(count, generator=torch.Generator().manual_seed(t))[:4] if count else torch.empty(0)
             ids[t, :len(chosen)] = chosen
-        compressed = {"entries": entries, "block_tables": block_tables, "entry_ids": ids.to(kernel_device)}
+        compressed = {"entries": entries, "page_tables": page_tables, "entry_ids": ids.to(kernel_device)}
     elif mode == "entry counts":
-        compressed = {"entries": entries, "block_tables": block_tables, "entry_counts": visible}
+        compressed = {"entries": entries, "page_tables": page_tables, "entry_counts": visible}
     scale = dim**-0.5
     out = sparse_attention(query, window_kv, window_tables, seq, positions, window, sinks, scale, **compressed)
     ref = sparse_attention_reference(query.float(), window_kv.float(), window_tables, seq, positions, window, sinks,
@@ -96,16 +96,16 @@ def test_sparse_attention_reads_only_its_own_window_and_entries(kernel_device):
 
     lengths, new = [40, 20], [2, 1]
     window_kv, window_tables = paged(1, 32, lengths, 1, torch.float32, kernel_device, seed=7)
-    entries, block_tables = paged(4, 32, lengths, 4, torch.float32, kernel_device, seed=8)
+    entries, page_tables = paged(4, 32, lengths, 4, torch.float32, kernel_device, seed=8)
     query, seq, positions = batch(lengths, new, 4, 32, torch.float32, kernel_device)
     sinks = torch.zeros(4, device=kernel_device)
     args = (query, window_kv, window_tables, seq, positions, 8, sinks, 32**-0.5)
-    compressed = {"entries": entries, "block_tables": block_tables, "entry_counts": (positions + 1) // 4}
+    compressed = {"entries": entries, "page_tables": page_tables, "entry_counts": (positions + 1) // 4}
     before = sparse_attention(*args, **compressed)
     # window rows before each token's window, and entries past what it may see, are written over
     for b, length in enumerate(lengths):
         for position in range(length - 8 - 2):
             window_kv[window_tables[b, position // PAGE], position % PAGE] = 1e4
         for entry in range(length // 4, PAGE * window_tables.shape[1] // 4):
-            entries[block_tables[b, entry // 4], entry % 4] = 1e4
+            entries[page_tables[b, entry // 4], entry % 4] = 1e4
     torch.testing.assert_close(sparse_attention(*args, **compressed), before)

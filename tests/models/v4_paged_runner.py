@@ -40,9 +40,9 @@ class WindowPagedRunner:
         meta = AttentionMetadata.build(
             query_lens=[len(new_tokens[name]) for name in names],
             seq_lens=[self.lengths[name] for name in names],
-            block_tables=[self.pages[name] for name in names],
+            page_tables=[self.pages[name] for name in names],
             page_size=self.page_size, device=self.device,
-            window_block_tables=[[page if page is not None else 0 for page in self.window[name]] for name in names])
+            window_page_tables=[[page if page is not None else 0 for page in self.window[name]] for name in names])
         input_ids = torch.tensor([token for name in names for token in new_tokens[name]], device=self.device)
         with torch.no_grad():
             logits = self.model.compute_logits(self.model(input_ids, meta.positions(), self.caches, meta))

@@ -40,7 +40,7 @@ class AttentionMetadata:
     host_seq_lens: np.ndarray | None = None
     # [B, max_pages] int32: each sequence's window pages by block, for models whose cache has a "window" page
     # kind (flare.models.cache_spec); entries below a sequence's window are stale. None: no window pages.
-    window_block_tables: torch.Tensor | None = None
+    window_page_tables: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -50,7 +50,7 @@ class AttentionMetadata:
         page_tables: list[list[int]],
         page_size: int,
         device: torch.device | str = "cpu",
-        window_block_tables: list[list[int]] | None = None,
+        window_page_tables: list[list[int]] | None = None,
     ) -> AttentionMetadata:
         """From plain lists: each sequence's new-token count, its context length after the step, its pages,
         and (models with window pages) its window pages by block."""
@@ -73,7 +73,7 @@ class AttentionMetadata:
             num_decodes=leading_decodes(query_lens),
             host_query_start=np.array(starts, dtype=np.int64),
             host_seq_lens=np.array(seq_lens, dtype=np.int64),
-            window_block_tables=None if window_block_tables is None else _padded_table(window_block_tables, device),
+            window_page_tables=None if window_page_tables is None else _padded_table(window_page_tables, device),
         )
 
     @property

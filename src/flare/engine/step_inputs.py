@@ -100,7 +100,7 @@ def flat_metadata(slots: BatchSlots, page_size: int, lens: np.ndarray, seq_lens:
         + positions % page_size,
         max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), page_size=page_size,
         num_decodes=leading_decodes(lens.tolist()), host_query_start=host_query_start, host_seq_lens=seq_lens,
-        window_block_tables=None if window is None else window[:, :width].index_select(0, row_slots))
+        window_page_tables=None if window is None else window[:, :width].index_select(0, row_slots))
 
 
 def decode_rows(plan: StepPlan, slots: BatchSlots) -> np.ndarray:

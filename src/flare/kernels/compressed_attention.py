@@ -14,7 +14,7 @@ at a time so that a million-token context holds 512 rows of scores, not a prompt
 
 Shapes:
     query [T, H, D] (last dim contiguous), window_kv [window pages, page_size, D], window_tables and
-    block_tables [B, blocks] int32, seq_index / positions [T] int64, entries [pages, rows, D],
+    page_tables [B, blocks] int32, seq_index / positions [T] int64, entries [pages, rows, D],
     entry_ids [T, K] int64 (-1: none) or entry_counts [T] int64, sinks [H] float32 -> out [T, H, D].
 """
 
@@ -56,12 +56,12 @@ def _fold(acc, m, l, q, keys, valid, qk_scale_log2):
 
 
 @triton.jit(do_not_specialize=["num_entries", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_it",
-                               "stride_wbt", "stride_bbt"])
+                               "stride_wbt", "stride_pbt"])
 def _sparse_attention_kernel(
-    q_ptr, out_ptr, window_ptr, window_tables_ptr, entries_ptr, block_tables_ptr, ids_ptr, counts_ptr,
+    q_ptr, out_ptr, window_ptr, window_tables_ptr, entries_ptr, page_tables_ptr, ids_ptr, counts_ptr,
     seq_ptr, pos_ptr, sinks_ptr, qk_scale_log2, num_entries,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_wp, stride_ws, stride_wbt, stride_ep, stride_es, stride_bbt, stride_it,
+    stride_wp, stride_ws, stride_wbt, stride_ep, stride_es, stride_pbt, stride_it,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     BLOCK_KEYS: tl.constexpr, WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRY_ROWS: tl.constexpr,
     MODE: tl.constexpr,                     # 0: window only; 1: entry ids (CSA); 2: entry counts (HCA)
@@ -98,8 +98,8 @@ def _sparse_attention_kernel(
             else:
                 index = slot
                 valid = slot < count
-            keys = _keys(entries_ptr, block_tables_ptr, seq, index, valid, dims, dim_mask, stride_ep, stride_es,
-                         stride_bbt, ENTRY_ROWS)
+            keys = _keys(entries_ptr, page_tables_ptr, seq, index, valid, dims, dim_mask, stride_ep, stride_es,
+                         stride_pbt, ENTRY_ROWS)
             acc, m, l = _fold(acc, m, l, q, keys, valid, qk_scale_log2)
 
     sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * 1.4426950408889634
@@ -112,31 +112,31 @@ def _sparse_attention_kernel(
 
 def sparse_attention(query: torch.Tensor, window_kv: torch.Tensor, window_tables: torch.Tensor,
                      seq_index: torch.Tensor, positions: torch.Tensor, window: int, sinks: torch.Tensor,
-                     scale: float, entries: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+                     scale: float, entries: torch.Tensor | None = None, page_tables: torch.Tensor | None = None,
                      entry_ids: torch.Tensor | None = None, entry_counts: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H, D] -> [T, H, D] (module docstring); the reference's contract."""
     tokens, heads, head_dim = query.shape
     if window_kv.shape[-1] != head_dim or query.stride(-1) != 1:
         raise ValueError(f"query [T, H, {head_dim}] (last dim contiguous) and window keys of the same width; "
                          f"got {list(query.shape)} and {list(window_kv.shape)}")
-    if (entries is None) != (block_tables is None) or (entries is not None and (entry_ids is None) == (entry_counts is None)):
+    if (entries is None) != (page_tables is None) or (entries is not None and (entry_ids is None) == (entry_counts is None)):
         raise ValueError("compressed entries come with their block tables and exactly one of entry_ids, entry_counts")
     out = torch.empty_like(query)
     if tokens == 0:
         return out
     mode = 0 if entries is None else (1 if entry_ids is not None else 2)
     entries = entries if entries is not None else window_kv
-    block_tables = block_tables if block_tables is not None else window_tables
+    page_tables = page_tables if page_tables is not None else window_tables
     ids = entry_ids.contiguous() if entry_ids is not None else seq_index.view(-1, 1)
     counts = entry_counts.contiguous() if entry_counts is not None else seq_index
     num_entries = ids.shape[1] if mode == 1 else 0
     grid = (tokens, triton.cdiv(heads, BLOCK_H))
     _sparse_attention_kernel[grid](
-        query, out, window_kv, window_tables, entries, block_tables, ids, counts,
+        query, out, window_kv, window_tables, entries, page_tables, ids, counts,
         seq_index.contiguous(), positions.contiguous(), sinks.float().contiguous(), scale * LOG2E, num_entries,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         window_kv.stride(0), window_kv.stride(1), window_tables.stride(0), entries.stride(0), entries.stride(1),
-        block_tables.stride(0), ids.stride(0),
+        page_tables.stride(0), ids.stride(0),
         HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_HEADS=BLOCK_H,
         BLOCK_KEYS=BLOCK_N, WINDOW=window, PAGE_SIZE=window_kv.shape[1], ENTRY_ROWS=entries.shape[1], MODE=mode,
         num_warps=8 if head_dim >= 256 else 4)
@@ -145,7 +145,7 @@ def sparse_attention(query: torch.Tensor, window_kv: torch.Tensor, window_tables
 
 @triton.jit(do_not_specialize=["width", "stride_qt", "stride_qh", "stride_wt", "stride_st", "stride_bt"])
 def _indexer_scores_kernel(
-    q_ptr, weights_ptr, keys_ptr, block_tables_ptr, seq_ptr, visible_ptr, scores_ptr, scale, width,
+    q_ptr, weights_ptr, keys_ptr, page_tables_ptr, seq_ptr, visible_ptr, scores_ptr, scale, width,
     stride_qt, stride_qh, stride_wt, stride_kp, stride_ks, stride_bt, stride_st,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,
@@ -157,7 +157,7 @@ def _indexer_scores_kernel(
     valid = index < visible
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    keys = _keys(keys_ptr, block_tables_ptr, seq, index, valid, dims, dim_mask, stride_kp, stride_ks, stride_bt, ROWS)
+    keys = _keys(keys_ptr, page_tables_ptr, seq, index, valid, dims, dim_mask, stride_kp, stride_ks, stride_bt, ROWS)
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for head_start in range(0, HEADS, BLOCK_HEADS):
         heads = head_start + tl.arange(0, BLOCK_HEADS)
@@ -170,7 +170,7 @@ def _indexer_scores_kernel(
     tl.store(scores_ptr + token * stride_st + index, tl.where(valid, total, float("-inf")), mask=index < width)
 
 
-def indexer_scores(query: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, block_tables: torch.Tensor,
+def indexer_scores(query: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, page_tables: torch.Tensor,
                    seq_index: torch.Tensor, visible: torch.Tensor, scale: float, width: int) -> torch.Tensor:
     """query [T, Hi, Di], head_weights [T, Hi] float32, keys [pages, rows, Di] -> scores [T, width] float32
     (-inf past each token's `visible` entries)."""
@@ -181,22 +181,22 @@ def indexer_scores(query: torch.Tensor, head_weights: torch.Tensor, keys: torch.
     weights = head_weights.float().contiguous()
     grid = (tokens, triton.cdiv(width, BLOCK_E))
     _indexer_scores_kernel[grid](
-        query, weights, keys, block_tables, seq_index.contiguous(), visible.contiguous(), scores, scale, width,
-        query.stride(0), query.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), block_tables.stride(0),
+        query, weights, keys, page_tables, seq_index.contiguous(), visible.contiguous(), scores, scale, width,
+        query.stride(0), query.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), page_tables.stride(0),
         scores.stride(0),
         HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_HEADS=BLOCK_H,
         BLOCK=BLOCK_E, ROWS=keys.shape[1])
     return scores
 
 
-def indexer_topk(query, head_weights, keys, block_tables, seq_index, visible, scale: float, topk: int) -> torch.Tensor:
+def indexer_topk(query, head_weights, keys, page_tables, seq_index, visible, scale: float, topk: int) -> torch.Tensor:
     """Each token's `topk` highest-scoring visible entries (-1 where it sees fewer), INDEXER_QUERY_BLOCK tokens
     of scores at a time; the reference's contract (flare.kernels.compressed_attention_reference.top_entries)."""
     width = int(visible.max()) if visible.numel() else 0
     chosen = []
     for start in range(0, query.shape[0], INDEXER_QUERY_BLOCK):
         part = slice(start, start + INDEXER_QUERY_BLOCK)
-        scores = indexer_scores(query[part], head_weights[part], keys, block_tables, seq_index[part], visible[part],
+        scores = indexer_scores(query[part], head_weights[part], keys, page_tables, seq_index[part], visible[part],
                                 scale, width)
         chosen.append(top_entries(scores, visible[part], topk))
     if not chosen:

@@ -6,8 +6,8 @@ The caches are paged by blocks of `page_size` sequence tokens (flare.models.cach
     window_kv     [window pages, page_size, D]        one key (= value) row per token
     window_tables [B, max_blocks] int32               sequence b's window page of block j (stale below its window)
     entries       [tokens pages, page_size / m, D]    compressed entry e of a sequence sits in page
-                                                      block_tables[b, e // rows] at row e % rows (rows = page_size / m)
-    block_tables  [B, max_blocks] int32
+                                                      page_tables[b, e // rows] at row e % rows (rows = page_size / m)
+    page_tables  [B, max_blocks] int32
 A query token t of sequence `seq_index[t]` at `positions[t]` reads the window keys at positions
 max(0, p - window + 1) .. p and either the compressed entries `entry_ids[t]` (CSA: the indexer's choice,
 -1 for none) or entries 0 .. `entry_counts[t]` - 1 (HCA: all it may see). A learned sink per head joins the
@@ -30,13 +30,13 @@ def gather_window(window_kv: torch.Tensor, window_tables: torch.Tensor, seq_inde
     return window_kv[pages, clamped % page_size], valid
 
 
-def gather_entries(entries: torch.Tensor, block_tables: torch.Tensor, seq_index: torch.Tensor,
+def gather_entries(entries: torch.Tensor, page_tables: torch.Tensor, seq_index: torch.Tensor,
                    ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [T, K, C], valid [T, K]) of compressed entries `ids` [T, K] (-1: none)."""
     rows_per_page = entries.shape[1]
     valid = ids >= 0
     clamped = ids.clamp(min=0).long()
-    pages = block_tables[seq_index[:, None], clamped // rows_per_page].long()
+    pages = page_tables[seq_index[:, None], clamped // rows_per_page].long()
     return entries[pages, clamped % rows_per_page], valid
 
 
@@ -50,13 +50,13 @@ def dense_entry_ids(entry_counts: torch.Tensor) -> torch.Tensor:
 def sparse_attention_reference(query: torch.Tensor, window_kv: torch.Tensor, window_tables: torch.Tensor,
                                seq_index: torch.Tensor, positions: torch.Tensor, window: int,
                                sinks: torch.Tensor, scale: float, entries: torch.Tensor | None = None,
-                               block_tables: torch.Tensor | None = None, entry_ids: torch.Tensor | None = None,
+                               page_tables: torch.Tensor | None = None, entry_ids: torch.Tensor | None = None,
                                entry_counts: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H, D] -> [T, H, D] in query's dtype; float32 inside (module docstring for the rest)."""
     keys, valid = gather_window(window_kv, window_tables, seq_index, positions, window)
     if entries is not None:
         ids = entry_ids if entry_ids is not None else dense_entry_ids(entry_counts)
-        compressed, valid_entries = gather_entries(entries, block_tables, seq_index, ids)
+        compressed, valid_entries = gather_entries(entries, page_tables, seq_index, ids)
         keys, valid = torch.cat([keys, compressed], dim=1), torch.cat([valid, valid_entries], dim=1)
     keys = keys.float()
     scores = torch.einsum("thd,tkd->thk", query.float(), keys) * scale
@@ -68,13 +68,13 @@ def sparse_attention_reference(query: torch.Tensor, window_kv: torch.Tensor, win
 
 
 def indexer_scores_reference(query: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
-                             block_tables: torch.Tensor, seq_index: torch.Tensor, visible: torch.Tensor,
+                             page_tables: torch.Tensor, seq_index: torch.Tensor, visible: torch.Tensor,
                              scale: float) -> torch.Tensor:
     """The lightning indexer's score of every entry a token may see, sum_h w[t, h] relu(q[t, h] . k[e]) * scale:
     query [T, Hi, Di], head_weights [T, Hi] float32, keys [pages, rows, Di] paged as `entries` above,
     visible [T] (entries 0 .. visible - 1) -> [T, max visible] float32, -inf past each token's visible."""
     ids = dense_entry_ids(visible)
-    rows, valid = gather_entries(keys, block_tables, seq_index, ids)
+    rows, valid = gather_entries(keys, page_tables, seq_index, ids)
     scores = torch.relu(torch.einsum("thd,tkd->thk", query.float(), rows.float())) * scale
     scores = (scores * head_weights.float()[:, :, None]).sum(dim=1)
     return scores.masked_fill(~valid, float("-inf"))
@@ -90,7 +90,7 @@ def top_entries(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch
     return torch.where(chosen < visible[:, None], chosen, torch.full_like(chosen, -1))
 
 
-def indexer_topk_reference(query, head_weights, keys, block_tables, seq_index, visible, scale, topk):
+def indexer_topk_reference(query, head_weights, keys, page_tables, seq_index, visible, scale, topk):
     """The indexer's choice per token (top_entries of indexer_scores_reference)."""
-    return top_entries(indexer_scores_reference(query, head_weights, keys, block_tables, seq_index, visible, scale),
+    return top_entries(indexer_scores_reference(query, head_weights, keys, page_tables, seq_index, visible, scale),
                        visible, topk)

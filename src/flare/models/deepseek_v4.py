@@ -123,28 +123,28 @@ class V4Step:
     positions: torch.Tensor        # [T] int64
     seq_index: torch.Tensor        # [T] int64
     window_tables: torch.Tensor    # [B, blocks] int32 (window pages)
-    block_tables: torch.Tensor     # [B, blocks] int32 (tokens pages)
+    page_tables: torch.Tensor     # [B, blocks] int32 (tokens pages)
     window_slots: torch.Tensor     # [T] int64: each new token's row in the flattened window tensors
     page_size: int
     closed: tuple[ClosedWindows, ...]
 
     @classmethod
     def build(cls, positions: torch.Tensor, meta, rates: tuple[int, ...]) -> V4Step:
-        if meta.window_block_tables is None:
-            raise ValueError("DeepSeek V4 attention needs window pages: the metadata has no window_block_tables")
+        if meta.window_page_tables is None:
+            raise ValueError("DeepSeek V4 attention needs window pages: the metadata has no window_page_tables")
         page_size = meta.page_size
         seq_index = meta.token_sequence_index().long()
-        window_tables = meta.window_block_tables
+        window_tables = meta.window_page_tables
         slots = window_tables[seq_index, positions // page_size].long() * page_size + positions % page_size
-        closed = tuple(cls._closed(positions, seq_index, meta.block_tables, page_size, rate) for rate in rates)
-        return cls(positions, seq_index, window_tables, meta.block_tables, slots, page_size, closed)
+        closed = tuple(cls._closed(positions, seq_index, meta.page_tables, page_size, rate) for rate in rates)
+        return cls(positions, seq_index, window_tables, meta.page_tables, slots, page_size, closed)
 
     @staticmethod
-    def _closed(positions, seq_index, block_tables, page_size: int, rate: int) -> ClosedWindows:
+    def _closed(positions, seq_index, page_tables, page_size: int, rate: int) -> ClosedWindows:
         rows = page_size // rate
         tokens = torch.nonzero((positions + 1) % rate == 0).flatten()
         entries = (positions[tokens] + 1) // rate - 1
-        pages = block_tables[seq_index[tokens], entries // rows].long()
+        pages = page_tables[seq_index[tokens], entries // rows].long()
         return ClosedWindows(rate, (positions + 1) // rate, tokens, entries, pages * rows + entries % rows)
 
     def windows(self, rate: int) -> ClosedWindows:
@@ -229,7 +229,7 @@ class Indexer(nn.Module):
         query = rotate(self.wq_b(q_residual).view(hidden.shape[0], self.heads, self.head_dim), angles.cos, angles.sin)
         weights = self.weights_proj(hidden).float() * self.heads**-0.5
         visible = step.windows(self.compressor.rate).visible
-        return ops.indexer_topk(query, weights, cache.indexer_keys, step.block_tables, step.seq_index, visible,
+        return ops.indexer_topk(query, weights, cache.indexer_keys, step.page_tables, step.seq_index, visible,
                                 self.head_dim**-0.5, self.topk)
 
 
@@ -264,7 +264,7 @@ class V4Attention(nn.Module):
         compressed = {}
         if self.compressor is not None:
             self.compressor(hidden, cache.compressor_inputs, cache.compressed, step, rotary)
-            compressed = {"entries": cache.compressed, "block_tables": step.block_tables}
+            compressed = {"entries": cache.compressed, "page_tables": step.page_tables}
             if self.indexer is not None:
                 compressed["entry_ids"] = self.indexer(hidden, q_residual, angles, cache, step, rotary, ops)
             else:
