@@ -169,3 +169,26 @@ def test_oom_options_leave_room_for_the_failed_allocation():
     room = memory_budget(gpu(95.6), GiB, reserve=reserve).available - SPEC_EXAMPLE.requirement().total
     before = budgets[0].available - SPEC_EXAMPLE.requirement().total
     assert reserve < gib(8) and room >= before + 2 * GiB
+
+
+@pytest.mark.parametrize("alias", ["deepseek-v2-lite-chat", "deepseek-v4-flash", "qwen3-8b"])
+def test_a_cache_every_rank_holds_whole_is_not_divided_between_ranks(alias):
+    """One latent row (MLA) or one KV head (DeepSeek V4) read by every query head: each tensor-parallel rank
+    keeps the whole cache, so its minimum pages do not shrink with the TP size, while the weights do; K/V
+    heads split between ranks (Qwen3-8B) divide the pages too."""
+    from flare.package.manifest import Plan
+    from flare.prepare import plan_estimate
+    from flare.recipes import registry
+    from flare.recipes.base import kv_replicated
+
+    recipe, checkpoint = registry.find_alias(alias)
+    config = {"architectures": [checkpoint.architecture], **checkpoint.config}
+    plan = Plan(dtype="bfloat16", page_size=recipe.page_size, prefill_chunk=recipe.prefill_chunk, compile=True,
+                max_concurrency=4, decode_capacities=recipe.decode_capacities_for(4),
+                max_model_len=checkpoint.context_length, memory_reserve_bytes=0, tensor_parallel=1)
+    one = plan_estimate(config, plan, checkpoint.stored_bytes or GiB)
+    whole, split = one.requirement(), replace(one, tensor_parallel=2).requirement()
+    assert split.weights == -(-whole.weights // 2)
+    replicated = alias != "qwen3-8b"
+    assert kv_replicated(config) == replicated
+    assert split.minimum_pages == (whole.minimum_pages if replicated else -(-whole.minimum_pages // 2))

@@ -13,7 +13,7 @@ import pytest
 from flare.engine.config import serving_scratch_bytes
 from flare.errors import UsageError
 from flare.recipes import registry
-from flare.recipes.base import (decode_weight_bytes, graph_and_scratch_bytes, kv_bytes_per_token,
+from flare.recipes.base import (decode_weight_bytes, graph_and_scratch_bytes, kv_bytes_per_token, kv_replicated,
                                 live_state_bytes_per_request, parameter_count, weight_bytes)
 
 HUB_CHECKPOINTS = [(recipe, checkpoint) for recipe, checkpoint in registry.all_checkpoints()
@@ -153,11 +153,23 @@ def test_recipe_cost_model_uses_its_own_page_size_and_chunk():
     assert recipe.snapshot_bytes(config) == 0          # snapshots borrow KV pages
 
 
+def smallest_page(checkpoint) -> int:
+    """The smallest page holding whole rows of every cache component (DeepSeek V4: its largest compression
+    rate); 1 for a checkpoint whose config is not declared."""
+    from flare.models import ModelConfig
+    from flare.models.cache_spec import smallest_page_size
+
+    if not checkpoint.config:
+        return 1
+    return smallest_page_size(ModelConfig.from_hf_config({"architectures": [checkpoint.architecture],
+                                                          **checkpoint.config}))
+
+
 @pytest.mark.parametrize("recipe", registry.all_recipes(), ids=lambda recipe: recipe.family)
 def test_recipe_limits_are_consistent(recipe):
     concurrency = recipe.concurrency
     assert 1 == concurrency.minimum <= concurrency.default <= concurrency.maximum
-    assert recipe.page_size == 16
+    assert recipe.page_size == max([16] + [smallest_page(checkpoint) for checkpoint in recipe.checkpoints])
     assert recipe.prefill_chunk % 64 == 0
     assert list(recipe.decode_capacities) == sorted(set(recipe.decode_capacities))
     assert recipe.decode_capacities[0] == 1
@@ -203,12 +215,15 @@ def test_decode_capacities_round_concurrency_up_to_a_captured_batch():
 
 
 def test_tensor_parallel_sizes_are_limited_by_kv_heads():
+    """KV heads divide between ranks, so they limit the sizes as the query heads do; a cache every rank holds
+    whole (one KV head or latent row read by every query head) leaves only the query heads to limit them."""
     for recipe, checkpoint in HUB_CHECKPOINTS:
-        kv_heads = checkpoint.config["num_key_value_heads"]
-        sizes = recipe.tensor_parallel_sizes_for(checkpoint.config)
-        assert all(kv_heads % size == 0 for size in sizes)
-        assert max(sizes) == max(size for size in recipe.tensor_parallel_sizes if kv_heads % size == 0
-                                 and checkpoint.config["num_attention_heads"] % size == 0)
+        config = checkpoint.config
+        limits = [config["num_attention_heads"]] + ([] if kv_replicated(config) else [config["num_key_value_heads"]])
+        sizes = recipe.tensor_parallel_sizes_for(config)
+        assert all(limit % size == 0 for limit in limits for size in sizes)
+        assert max(sizes) == max(size for size in recipe.tensor_parallel_sizes
+                                 if all(limit % size == 0 for limit in limits))
     recipe, checkpoint = registry.find_alias("qwen2.5-0.5b-instruct")   # two KV heads
     assert recipe.tensor_parallel_sizes_for(checkpoint.config) == (1, 2)
 

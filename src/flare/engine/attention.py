@@ -108,12 +108,6 @@ def _padded_table(tables: list[list[int]], device) -> torch.Tensor:
     return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width)
 
 
-def _padded_table(tables: list[list[int]], device) -> torch.Tensor:
-    width = max((len(pages) for pages in tables), default=0)
-    padded = [pages + [0] * (width - len(pages)) for pages in tables]
-    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width)
-
-
 def uniform_query_len(num_tokens: int, num_seqs: int, max_query_len: int) -> int:
     """`max_query_len` when `num_tokens` new tokens over `num_seqs` sequences are that many each (no
     sequence brings more than the longest, so a total of longest times count leaves none shorter); else 0."""

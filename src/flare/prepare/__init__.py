@@ -429,8 +429,8 @@ def plan_estimate(hf_config: dict, plan: Plan, weights_bytes: int, with_draft: b
     from flare.engine.config import serving_scratch_bytes, step_token_budget
     from flare.estimate import MemoryEstimate
     from flare.package import weights as wt
-    from flare.recipes.base import kv_bytes_per_token, live_state_bytes_per_request, snapshot_bytes, window_pool
-    from flare.recipes.deepseek_v4 import is_deepseek_v4
+    from flare.recipes.base import (kv_bytes_per_token, kv_replicated, live_state_bytes_per_request, snapshot_bytes,
+                                    window_pool)
     from flare.speculation_plan import speculation_memory
 
     dtype_bytes = wt.DTYPE_BYTES[plan.dtype]
@@ -451,7 +451,7 @@ def plan_estimate(hf_config: dict, plan: Plan, weights_bytes: int, with_draft: b
         max_concurrency=plan.max_concurrency, max_context=plan.max_model_len or 0, page_size=plan.page_size,
         window=window_pool(hf_config, plan.page_size, step_token_budget(plan.prefill_chunk, plan.max_concurrency),
                            dtype_bytes),
-        kv_replicated=is_deepseek_v4(hf_config))
+        kv_replicated=kv_replicated(hf_config))
 
 
 @dataclass(frozen=True)

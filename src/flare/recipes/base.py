@@ -294,6 +294,12 @@ def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BYT
     return 2 * hf_config["num_hidden_layers"] * per_rank_kv_heads * per_head
 
 
+def kv_replicated(hf_config: Mapping[str, Any]) -> bool:
+    """Whether every tensor-parallel rank holds the whole KV cache: a cache row that every query head reads
+    (DeepSeek V4's one KV head, MLA's latent row) is not divided between ranks."""
+    return _v4().is_deepseek_v4(hf_config) or deepseek_costs.is_mla(hf_config)
+
+
 def window_pool(hf_config: Mapping[str, Any], page_size: int, prompt_tokens: int,
                 dtype_bytes: int = BF16_BYTES):
     """The window pages a model's cache keeps beside its KV pages (`flare.memory.WindowPool`; none for a
@@ -407,8 +413,6 @@ def decode_weight_bytes(hf_config: Mapping[str, Any], dtype_bytes: int = BF16_BY
     (one row per token), plus the output projection once, whether tied or stored separately. FP8
     projections (the checkpoint's, or `online_fp8`'s) count their e4m3 bytes and their scales as a
     package stores them (float32)."""
-    if _v4().is_deepseek_v4(hf_config):
-        return _v4().decode_weight_bytes(hf_config)
     # The embedding table's bytes stand in for the output projection's: the same vocab x hidden shape.
     return weight_bytes(hf_config, False, dtype_bytes, FLOAT32_BYTES, online_fp8, active=True)
 
@@ -417,7 +421,10 @@ def weight_bytes(hf_config: Mapping[str, Any], lm_head_stored: bool, dtype_bytes
                  scale_bytes: int = FLOAT32_BYTES, online_fp8: tuple[str, ...] = (), active: bool = False) -> int:
     """Bytes of a checkpoint's tensors: `dtype_bytes` per parameter, except FP8 projections (config.json's
     quantization_config, or the decoder projections `online_fp8` names), one byte per weight and
-    `scale_bytes` per scale. `active`: of a mixture of experts, only the experts one token runs."""
+    `scale_bytes` per scale. `active`: of a mixture of experts, only the experts one token runs. A DeepSeek
+    V4 checkpoint's tensors are counted in the formats it is published in (flare.recipes.deepseek_v4)."""
+    if _v4().is_deepseek_v4(hf_config):
+        return _v4().decode_weight_bytes(hf_config) if active else _v4().stored_bytes(hf_config)
     fp8 = online_fp8_weights(online_fp8) if online_fp8 else fp8_weights_of(hf_config)
     total = parameter_count(hf_config, lm_head_stored, active) * dtype_bytes
     if fp8 is None:
