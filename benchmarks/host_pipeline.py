@@ -91,7 +91,7 @@ def stand_in_model(engine_config, report=None):
     from flare.engine.factory import LoadedModel
 
     model_config = SimpleNamespace(vocab_size=VOCAB, num_key_value_heads=1, head_dim=1, num_hidden_layers=1,
-                                   kv_cache_dtype="auto", mla=None)
+                                   kv_cache_dtype="auto", mla=None, v4=None)
     return LoadedModel(model_config, StandInModel(), (EOS_ID,), engine_config)
 
 
