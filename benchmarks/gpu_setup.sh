@@ -2,8 +2,8 @@
 # needs from a folder of carried wheels (WHEELS, default .whl) when it is missing, and writes the
 # device, torch version and commit to $OUT/device.txt. Needs PY, OUT, REPO and a `log` function.
 WHEELS=${WHEELS:-.whl}
-NEEDED="fastapi uvicorn httptools uvloop rich cryptography tomlkit pyzmq msgspec prometheus-client nvidia-ml-py jinja2 filelock httpx xgrammar apache-tvm-ffi"
-if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, httptools, uvloop, rich, cryptography, tomlkit, zmq, msgspec, prometheus_client, pynvml, httpx' 2>/dev/null; then
+NEEDED="fastapi uvicorn httptools uvloop rich cryptography tomlkit pyzmq msgspec prometheus-client nvidia-ml-py jinja2 filelock httpx xgrammar apache-tvm-ffi xxhash"
+if [ -d "$WHEELS" ] && ! "$PY" -c 'import fastapi, uvicorn, httptools, uvloop, rich, cryptography, tomlkit, zmq, msgspec, prometheus_client, pynvml, httpx, xxhash' 2>/dev/null; then
   log "installing what is missing from $WHEELS"
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" $NEEDED 2>&1 | tail -2
   "$PY" -c 'import fastapi' 2>/dev/null || "$PY" -m pip install -q --no-index --find-links "$WHEELS" \

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from flare.config import (Config, PublishingConfig, load_config, parse_size, resolve_setting_source,
-                          write_initial_config)
+from flare.config import (DRAIN_ON_S, Config, PrefixCacheConfig, PublishingConfig, load_config, parse_drain,
+                          parse_size, resolve_setting_source, write_initial_config)
 from flare.environment import apply_library_environment, library_environment
 from flare.errors import UsageError
 
@@ -94,7 +94,9 @@ def test_the_specification_example_loads(tmp_path, isolated_home):
     assert config.defaults.model == "qwen3.8-flash" and config.defaults.max_concurrency == 4
     assert config.preparation.compile_workers == 24
     assert config.memory.reserve == 0                     # configured zero is not "absent"
-    # [prefix_cache] and [paths] prefix_cache, export_staging at their "off" values: accepted, nothing to do
+    # [prefix_cache] and [paths] prefix_cache at their defaults, export_staging at its "off" value
+    assert config.prefix_cache == PrefixCacheConfig(drain_on_shutdown=0.0)
+    assert config.paths.prefix_cache is None
     assert config.models["qwen3.8-flash"].max_concurrency == 2
     assert config.paths.hub_cache == isolated_home / ".cache" / "huggingface" / "hub"   # ~ expanded
     assert config.paths.cuda == Path("/opt/cuda")
@@ -142,6 +144,10 @@ official_source = "https://huggingface.co/example-publisher/MODEL"
     ("[preparation]\ncompile_workers = 0\n", "preparation.compile_workers"),
     ('[prefix_cache]\ndrain_on_shutdown = "sometimes"\n', "prefix_cache.drain_on_shutdown"),
     ('[prefix_cache]\ndisk_transport = "carrier-pigeon"\n', "prefix_cache.disk_transport"),
+    ('[prefix_cache]\ndrain_on_shutdown = "2h"\n', "prefix_cache.drain_on_shutdown"),
+    ('[prefix_cache]\ndrain_on_shutdown = "90s"\n', "prefix_cache.drain_on_shutdown"),
+    ('[prefix_cache]\nmemory = "16"\n', "prefix_cache.memory"),
+    ('[prefix_cache]\ndisk_limit = "0"\n', "prefix_cache.disk_limit"),
     ('[paths]\nkernel_cache = ""\n', "paths.kernel_cache"),
     ('[hub]\nendpoint = "ftp://example.org"\n', "hub.endpoint"),
     ('[models."qwen3-8b"]\nmax_concurrency = "2"\n', 'models.qwen3-8b.max_concurrency'),
@@ -159,11 +165,6 @@ def test_an_invalid_setting_is_a_usage_error_naming_its_key(tmp_path, text, name
 
 
 @pytest.mark.parametrize("text,named", [
-    ('[prefix_cache]\nmemory = "4G"\n', "prefix_cache.memory"),
-    ('[prefix_cache]\ndrain_on_shutdown = "30s"\n', "prefix_cache.drain_on_shutdown"),
-    ('[prefix_cache]\ndisk_limit = "100G"\n', "prefix_cache.disk_limit"),
-    ('[prefix_cache]\ndisk_transport = "direct"\n', "prefix_cache.disk_transport"),
-    ('[paths]\nprefix_cache = "/data/prefixes"\n', "paths.prefix_cache"),
     ('[paths]\nexport_staging = "/data/staging"\n', "paths.export_staging"),
     ('[preparation]\nautotune_effort = "default"\n', "preparation.autotune_effort"),
     ('[preparation]\ncollective_tuning = "static"\n', "preparation.collective_tuning"),
@@ -177,6 +178,27 @@ def test_a_setting_flare_does_not_implement_yet_is_refused_by_name(tmp_path, tex
         load_config(path)
     assert named in str(caught.value) and str(path) in str(caught.value)
     assert caught.value.exit_code == 2
+
+
+def test_the_prefix_cache_tiers_are_configured(tmp_path, isolated_home):
+    config = load_config(write(tmp_path, """
+[prefix_cache]
+memory = "16G"
+drain_on_shutdown = "10s"
+disk_limit = "100G"
+disk_transport = "direct"
+[paths]
+prefix_cache = "~/prefixes"
+"""))
+    assert config.prefix_cache == PrefixCacheConfig(memory=16 << 30, drain_on_shutdown=10.0, disk_limit=100 << 30,
+                                                    disk_transport="direct")
+    assert config.paths.prefix_cache == isolated_home / "prefixes"
+
+
+@pytest.mark.parametrize("text,seconds", [("off", 0.0), ("on", DRAIN_ON_S), ("500ms", 0.5), ("0.5m", 30.0),
+                                          ("45s", 45.0)])
+def test_drain_on_shutdown_is_off_on_or_a_duration(text, seconds):
+    assert parse_drain(text, "prefix_cache.drain_on_shutdown") == seconds
 
 
 def test_invalid_toml_is_a_usage_error_naming_the_file(tmp_path):

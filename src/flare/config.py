@@ -2,7 +2,7 @@
 
 Every key is optional. An absent default file supplies nothing; an explicitly named missing file, a
 file that is not TOML, an unknown key or an invalid value is a usage error naming the key. A key the
-specification defines for a feature Flare does not implement yet ([prefix_cache], images, kernel and
+specification defines for a feature Flare does not implement yet (images, kernel and
 collective tuning, export staging) is refused by name, except at the value that
 leaves the feature off. Each section becomes a frozen dataclass; unset optional values are None so callers can tell "not
 configured" from a configured value equal to a default.
@@ -80,12 +80,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class PrefixCacheConfig:
+    """[prefix_cache]: prefix states kept below the GPU (flare run; flare.server.retention_settings)."""
+
+    memory: int | None = None                # bytes of host memory; None (or "" in the file): no host tier
+    drain_on_shutdown: float | None = None   # seconds a clean stop may spend writing the host tier to disk
+    disk_limit: int | None = None            # bytes; None: 10% of the free space where [paths] prefix_cache is
+    disk_transport: str | None = None        # "staged" or "direct"; None: staged
+
+
+@dataclass(frozen=True)
 class PathsConfig:
     # Unlike the other sections, paths hold the default when the file sets none (`default_paths`).
     hub_cache: Path
     kernel_cache: Path
     package_cache: Path
     cuda: Path | None = None                 # None: libraries discover the system toolkit
+    prefix_cache: Path | None = None         # the disk tier of the prefix cache; None: no disk tier
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ class Config:
     preparation: PreparationConfig = field(default_factory=PreparationConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     paths: PathsConfig = field(default_factory=default_paths)
     publishing: PublishingConfig | None = None
     hub: HubConfig = field(default_factory=HubConfig)
@@ -299,9 +311,50 @@ class _Unsupported:
         raise UsageError(f"{key} = {value!r} is not supported yet: {self.reason}; remove the key{accepted}")
 
 
-_HOST_RETENTION = _Unsupported("host retention of prefix-cache pages (memory or disk) is not implemented; "
-                               "cached prefixes stay in the GPU's KV pages", off="")
 _NO_IMAGES = _Unsupported("no recipe here serves images")
+
+
+DRAIN_ON_S = 30.0       # drain_on_shutdown = "on": the longest a clean stop writes the host tier
+DRAIN_MAX_S = 45.0      # a longer drain would outlast the stop's watchdog (flare.server.stopping, 60 s)
+_DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m)")
+
+
+def parse_drain(value, key) -> float:
+    """drain_on_shutdown: "off" (0), "on" (DRAIN_ON_S) or a duration such as "10s", "1.5m", "500ms"."""
+    text = _string(value, key).strip().lower()
+    if text == "off":
+        return 0.0
+    if text == "on":
+        return DRAIN_ON_S
+    match = _DURATION.fullmatch(text)
+    if not match:
+        raise UsageError(f'{key} = {value!r}: write "on", "off" or a duration such as "10s", "2m" or "500ms"')
+    seconds = float(match["number"]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match["unit"]]
+    if seconds > DRAIN_MAX_S:
+        raise UsageError(f"{key} = {value!r} is longer than a stop may take ({DRAIN_MAX_S:.0f} s: the server "
+                         f"exits 60 s after a stop began); write at most \"{DRAIN_MAX_S:.0f}s\"")
+    return seconds
+
+
+def _optional_size(value, key):
+    if isinstance(value, str) and not value.strip():
+        return None
+    return parse_size(value, key)
+
+
+def _positive_optional_size(value, key):
+    size = _optional_size(value, key)
+    if size == 0:
+        raise UsageError(f'{key} = {value!r} leaves no room; write a size such as "100G", or "" for the default')
+    return size
+
+
+def _disk_transport(value, key):
+    text = _string(value, key).strip()
+    if text not in ("", "staged", "direct"):
+        raise UsageError(f'{key} = {value!r}: choose "staged" (through the OS page cache, the default) or '
+                         '"direct" (O_DIRECT)')
+    return text or None
 
 
 def _endpoint(value, key):
@@ -357,11 +410,10 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable]]] = {
         "collective_tuning": _Unsupported("tensor parallelism, whose collectives it tunes, is not implemented")}),
     "memory": (MemoryConfig, {"reserve": _size}),
     "scheduler": (SchedulerConfig, {"max_step_ms": _milliseconds}),
-    "prefix_cache": (None, {"memory": _HOST_RETENTION, "disk_limit": _HOST_RETENTION,
-                            "disk_transport": _HOST_RETENTION,
-                            "drain_on_shutdown": _Unsupported(_HOST_RETENTION.reason, off="off")}),
+    "prefix_cache": (PrefixCacheConfig, {"memory": _optional_size, "disk_limit": _positive_optional_size,
+                                         "disk_transport": _disk_transport, "drain_on_shutdown": parse_drain}),
     "paths": (PathsConfig, {"hub_cache": _path, "kernel_cache": _path, "package_cache": _path,
-                            "prefix_cache": _HOST_RETENTION,
+                            "prefix_cache": _optional_path,
                             "export_staging": _Unsupported("exports stage in the cache's own staging/ folder, "
                                                            "on the cache's disk (multi-host exports, which "
                                                            "assemble rank files there, are not implemented)",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flare.engine.step import DoneStep, ScheduledRow, StepPlan, StepResult
+from flare.engine.step import (DoneStep, PageTransfers, RetainedGeometry, ScheduledRow, StepPlan, StepResult,
+                               TransferNews)
 
 @dataclass
 class Seat:
@@ -25,11 +26,21 @@ class FakeRunner:
 
     vocab_size = 97
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, retained_slots: int = 0, lag: int = 0) -> None:
         self.page_size = page_size
         self.kv: dict[int, int] = {}                    # cache slot -> token written there
         self.seats: dict[int, Seat] = {}                # batch slot -> its request
         self.steps: list[StepPlan] = []
+        self.retention = FakeRetention(self, retained_slots, lag) if retained_slots else None
+
+    def retained_geometry(self):
+        return self.retention.geometry() if self.retention is not None else None
+
+    def transfer_news(self, wait_s: float = 0.0) -> TransferNews:
+        return self.retention.news() if self.retention is not None else TransferNews()
+
+    def close_retention(self, deadline_s: float) -> None:
+        pass
 
     def samples_ahead(self, params) -> bool:
         return True
@@ -39,6 +50,8 @@ class FakeRunner:
 
     def launch(self, plan: StepPlan) -> DoneStep:
         self.steps.append(plan)
+        if plan.transfers is not None:
+            self.retention.apply(plan.transfers)
         for request_id in (*plan.preempted_request_ids, *plan.finished_request_ids):
             for slot in [s for s, seat in self.seats.items() if seat.request_id == request_id]:
                 del self.seats[slot]
@@ -88,6 +101,77 @@ class FakeRunner:
         for request in core.scheduler.running:
             if request.seated:
                 assert self.seats[request.slot].pages == core.allocator.page_table(request.request_id)
+
+
+class FakeRetention:
+    """The runner side of prefix retention for the fake: a host slot or disk file holds a page's tokens
+    (None where a position was never written). Loads and reads are reported `lag` news calls late;
+    `damaged` keys fail their disk read; `unwritable` makes every disk write fail."""
+
+    def __init__(self, runner: FakeRunner, slots: int, lag: int) -> None:
+        self.runner, self.slots, self.lag = runner, slots, lag
+        self.host: dict[int, list] = {}
+        self.disk: dict[bytes, list] = {}
+        self.damaged: set[bytes] = set()
+        self.unwritable = False
+        self._pending: list[list] = []                  # [calls left, ticket, failed keys]
+        self.applied: list[PageTransfers] = []
+
+    def geometry(self) -> RetainedGeometry:
+        return RetainedGeometry(self.slots, 1, 1, tuple(self.disk))
+
+    def page(self, page: int) -> list:
+        size = self.runner.page_size
+        return [self.runner.kv.get(page * size + offset) for offset in range(size)]
+
+    def apply(self, transfers: PageTransfers) -> None:
+        self.applied.append(transfers)
+        size = self.runner.page_size
+        for copy in transfers.saves:
+            self.host[copy.slot] = self.page(copy.page)
+        for load in transfers.loads:
+            for copy in load.copies:
+                for offset, token in enumerate(self.host[copy.slot]):
+                    self.runner.kv[copy.page * size + offset] = token
+            self._pending.append([self.lag, load.ticket, []])
+        for key in transfers.discards:
+            self.disk.pop(key, None)
+        self._finish(transfers.writes, self._write)
+        self._finish(transfers.reads, self._read)
+        self._finish(transfers.pool_writes, lambda order: True)
+        self._finish(transfers.pool_reads, lambda order: False)       # the fake has no pool: it lacks them
+
+    def _finish(self, orders, job) -> None:
+        tickets: dict[int, list] = {}
+        for order in orders:
+            failed = tickets.setdefault(order.ticket, [])
+            if not job(order):
+                failed.append(order.key)
+        self._pending += [[self.lag, ticket, failed] for ticket, failed in tickets.items()]
+
+    def _write(self, order) -> bool:
+        if self.unwritable:
+            return False
+        self.disk[order.key] = list(self.host[order.slot])
+        return True
+
+    def _read(self, order) -> bool:
+        if order.key in self.damaged or order.key not in self.disk:
+            return False
+        self.host[order.slot] = list(self.disk[order.key])
+        return True
+
+    def news(self) -> TransferNews:
+        done, failed, still = [], [], []
+        for item in self._pending:
+            if item[0] <= 0:
+                done.append(item[1])
+                failed += [(item[1], key) for key in item[2]]
+            else:
+                item[0] -= 1
+                still.append(item)
+        self._pending = still
+        return TransferNews(tuple(done), tuple(failed))
 
 
 def masked_choice(token: int, token_mask, index: int) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from flare.engine.policy import SchedulerPolicy
+from flare.engine.retention.settings import RetentionSettings
 from flare.engine.speculation.settings import SpeculationSettings
 from flare.errors import UsageError
 
@@ -44,6 +45,8 @@ class EngineConfig:
     # tokens before its first position a step reads from them. 0: the cache has no window pages.
     window_pages: int = 0
     window_retention: int = 0
+    # Prefix retention below the GPU: host memory, disk, a shared pool (flare.engine.retention). Off by default.
+    prefix_retention: RetentionSettings = field(default_factory=RetentionSettings)
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "page_size", "num_pages", "prefill_chunk",
@@ -125,7 +128,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                            enable_prefix_caching: bool = True,
                            decode_graph_sizes: tuple[int, ...] = (),
                            prompt_graph_sizes: tuple[int, ...] = (),
-                           speculation: SpeculationSettings | None = None, window=None) -> EngineConfig:
+                           speculation: SpeculationSettings | None = None, window=None,
+                           prefix_retention: RetentionSettings | None = None) -> EngineConfig:
     """The EngineConfig for a KV pool (`PageSupply`, or a `flare.memory.KVPool` sized at startup: pages,
     page_size, limited_by): the one place an engine's settings are derived.
 
@@ -148,7 +152,8 @@ def engine_config_for_pool(pool, *, max_concurrency: int, prepared_context: int,
                         decode_graph_catalog=tuple(decode_graph_sizes), prompt_graph_sizes=tuple(prompt_graph_sizes),
                         speculation=speculation or SpeculationSettings(),
                         window_pages=window.pages(max_concurrency) if window is not None else 0,
-                        window_retention=window.retention if window is not None else 0)
+                        window_retention=window.retention if window is not None else 0,
+                        prefix_retention=prefix_retention or RetentionSettings())
 
 
 def local_engine_config(max_position_embeddings: int, model_config=None, dtype_bytes: int = 4) -> EngineConfig:

@@ -5,9 +5,10 @@ The core speaks token ids only; text, stop strings and streaming live in the fro
 process (`flare.engine.core_process`). It hands the runner a `flare.engine.step.StepPlan` per step and
 reads back a `StepResult`; the runner never sees the allocator or a Request.
 
-Each step: admit the requests whose grammars compiled (`grammar_gate`), plan (`scheduler`, with the drafts
-`speculation.rounds` offers), start the step (`launches`: whole, or its forward before its masks), read the
-step before it, and bring the requests up to date. Hot path: keep it small.
+Each step: admit the requests whose grammars compiled (`grammar_gate`) and those whose retained prefix came
+up from below the GPU (`retention.tiers`), plan (`scheduler`, with the drafts `speculation.rounds` offers),
+start the step (`launches`: whole, or its forward before its masks), read the step before it, and bring the
+requests up to date. Hot path: keep it small.
 """
 
 from __future__ import annotations
@@ -23,20 +24,26 @@ from flare.engine.launches import Launched, Planned, Scheduled, StepLauncher
 from flare.engine.outputs import CoreOutput
 from flare.engine.request import (EngineRequest, InvalidRequest, Request, RequestStatus, check_stop,
                                   validate_prompt)
+from flare.engine.retention.tiers import RETENTION_WAIT_S, PrefixTiers
 from flare.engine.scheduler import Scheduler
 from flare.engine.speculation.rounds import Drafter, SpeculationRounds
 from flare.engine.stats import EngineStats, RefusedRequest
-from flare.engine.step import ScheduledRow, StepRunner
+from flare.engine.step import ScheduledRow, StepPlan, StepRunner
 
 
-def page_allocator(config: EngineConfig):
-    """The allocator of the engine's cache: one page kind, or tokens and window pages (flare.engine.cache_pages)."""
+def page_allocator(config: EngineConfig, retention: PrefixTiers | None = None):
+    """The allocator of the engine's cache: one page kind, or tokens and window pages (flare.engine.cache_pages).
+    `retention` hears of pages leaving the GPU prefix cache; the tiers keep pages of one kind only."""
     if config.window_pages:
         from flare.engine.cache_pages import CachePages
 
+        if retention is not None:
+            raise ValueError("prefix retention below the GPU keeps caches of one page kind; this one has window "
+                             "pages: leave EngineConfig.prefix_retention off")
         return CachePages(config.num_pages, config.window_pages, config.page_size, config.window_retention,
                           config.enable_prefix_caching)
-    return PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
+    return PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching, retention=retention)
+
 
 class EngineCore:
     """`config.one_step_ahead`: plan and launch step N+1 before reading step N's ids (they stay on the
@@ -61,8 +68,9 @@ class EngineCore:
         self.speculation = SpeculationRounds(config.speculation, config.decode_graph_sizes, drafter)
         self.launcher = StepLauncher(runner)
         self.kernel_builds = KernelBuilds()            # counts once the core process starts serving
-        self.allocator = page_allocator(config)
-        self.scheduler = Scheduler(config, self.allocator)
+        self.tiers = PrefixTiers.for_runner(config, runner)    # None unless prefix states go below the GPU
+        self.allocator = page_allocator(config, self.tiers)
+        self.scheduler = Scheduler(config, self.allocator, tiers=self.tiers)
         self.requests: dict[str, Request] = {}       # scheduled, until they finish
         self._arrivals = itertools.count()
         self._num_computed_tokens = 0
@@ -108,6 +116,22 @@ class EngineCore:
         """Requests scheduled or waiting for their grammars."""
         return self.scheduler.has_unfinished() or self.grammar.num_waiting > 0
 
+    def close(self, drain: bool = True) -> None:
+        """The end of serving: on a clean stop (`drain`) with drain_on_shutdown, the host tier's pages not
+        on disk yet are written there, within its time; then the tiers' workers stop. Nothing runs after."""
+        if self.tiers is None:
+            return
+        if self._in_flight is not None:
+            self._receive(self._in_flight)
+            self._in_flight = None
+        disk = self.config.prefix_retention.disk
+        drain_s = disk.drain_s if disk is not None and drain else 0.0
+        drained = self.tiers.drain() if drain_s > 0 else None
+        if drained is not None:
+            self.runner.launch(StepPlan((), transfers=drained)).result()
+        self.runner.close_retention(drain_s)
+        self.tiers = self.scheduler.tiers = self.allocator.retention = None
+
     # ---- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
@@ -119,6 +143,8 @@ class EngineCore:
             idle = not self.scheduler.has_unfinished() and self._in_flight is None and self._planned is None
             for request in self.grammar.take_admitted(idle):
                 self._schedule(request)
+        if self.tiers is not None:
+            self._take_transfer_news()
         previous, self._in_flight = self._in_flight, None
         planned, self._planned = self._planned, None
         following = None
@@ -142,15 +168,30 @@ class EngineCore:
                 self._in_flight = launched
             else:
                 outputs += self._receive(launched)
+        elif self.tiers is not None and previous is None and self.scheduler.fetching:
+            self._take_transfer_news(RETENTION_WAIT_S)      # nothing else to do: wait a little for them
         return outputs
+
+    def _take_transfer_news(self, wait_s: float = 0.0) -> None:
+        """What the runner finished moving between the tiers: requests whose retained pages came up go
+        back to the head of the queue."""
+        news = self.runner.transfer_news(wait_s)
+        if news.done or news.failed:
+            resumed, loaded = self.tiers.apply_news(news)
+            for request_id, keys in loaded:
+                self.scheduler.loaded(request_id, keys)
+            self.scheduler.resume(resumed)
 
     # ---- numbers and checks ----------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Raise KVCacheIntegrityError if a page is leaked or double-owned; also check the request lists."""
         self.allocator.check_integrity()
+        if self.tiers is not None and self.tiers.check():
+            raise KVCacheIntegrityError("prefix retention's books are broken: " + "; ".join(self.tiers.check()))
         scheduler = self.scheduler
-        queued = {r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
+        queued = ({r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
+                  | set(scheduler.fetching))
         if queued | set(scheduler.retired) != set(self.requests):
             raise KVCacheIntegrityError(f"scheduler holds {sorted(queued | set(scheduler.retired))} "
                                         f"but the core tracks {sorted(self.requests)}")
@@ -167,7 +208,7 @@ class EngineCore:
         """The numbers now; with `check_integrity`, also the page integrity check's result (never raises)."""
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + self.grammar.num_waiting,
+            num_waiting=self.scheduler.num_waiting + self.grammar.num_waiting,
             kv_pages_used=self.allocator.num_used_pages, kv_pages_total=self.allocator.num_pages,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
@@ -179,6 +220,7 @@ class EngineCore:
             page_integrity=self._integrity() if check_integrity else "unchecked",
             kernel_builds=self.kernel_builds.count, kernel_build_seconds=round(self.kernel_builds.seconds, 3),
             kernel_builds_recent=tuple(self.kernel_builds.recent),
+            **(self.tiers.stats(self.config.page_size) if self.tiers is not None else {}),
             **self.speculation.stats())
 
     def reset_counters(self) -> None:
@@ -213,7 +255,8 @@ class EngineCore:
         offered = self.speculation.offer(self.scheduler.running, self.grammar.constrains)
         ahead = self.speculation.lets_run_ahead(offered, len(self.scheduler.running))
         scheduled = self.scheduler.schedule()
-        return Scheduled(scheduled, offered, ahead) if scheduled.plan.rows else None
+        plan = scheduled.plan
+        return Scheduled(scheduled, offered, ahead) if plan.rows or plan.transfers is not None else None
 
     def _start(self, step: Scheduled | None) -> Planned | None:
         """Start a scheduled step, whole or, for a step with constrained rows and a runner that can

@@ -49,7 +49,8 @@ def run_engine_core(factory, seed: int | None, command_address: str, event_addre
         core.kernel_builds.watch()                     # from here on a build stalls serving: count them
         send(Ready(core.config, core.runner.vocab_size, tuple(sorted(core.eos_token_ids)), core.stats()))
         tracer = StepTracer(diagnostics) if diagnostics.step_trace_dir else None
-        _serve(core, commands, send, parent, tracer)
+        clean = _serve(core, commands, send, parent, tracer)
+        core.close(drain=clean)                        # a clean stop may write the prefix cache's host tier down
     except Exception as error:
         send(messages.failure(error))
     finally:
@@ -80,7 +81,8 @@ def _build(factory, seed, send, profile_dir: str | None = None, core_builder=Non
         profiler.dump_stats(os.path.join(profile_dir, f"engine-start-{os.getpid()}.prof"))
 
 
-def _serve(core, commands, send, parent: int, tracer: StepTracer | None = None) -> None:
+def _serve(core, commands, send, parent: int, tracer: StepTracer | None = None) -> bool:
+    """Serve until Shutdown (returns True) or the frontend's death (False)."""
     check_due = False                                # went idle since the last page check
     while os.getppid() == parent:                    # else the frontend died without saying goodbye
         timeout = 0 if core.has_unfinished() else IDLE_CHECK_DELAY_MS if check_due else IDLE_POLL_MS
@@ -88,7 +90,7 @@ def _serve(core, commands, send, parent: int, tracer: StepTracer | None = None) 
         while commands.poll(timeout):
             command = messages.decode_command(commands.recv())
             if isinstance(command, Shutdown):
-                return
+                return True
             refused = _apply(core, command)
             if refused is not None:
                 send(refused)
@@ -111,6 +113,7 @@ def _serve(core, commands, send, parent: int, tracer: StepTracer | None = None) 
         if produced or changed or refused:
             send(Outputs(produced, core.stats()))
             check_due = check_due or not core.has_unfinished()
+    return False
 
 
 def _apply(core, command: AddRequest | AbortRequests) -> RequestRefused | None:

@@ -15,8 +15,11 @@ longest cached prefix (`match_prefix`); when a request is freed its cached pages
 and they are evicted least recently used first only when free pages run out.
 
 A page hash is SHA-256 over the previous page's hash and the page's token ids: a collision would
-silently serve another prompt's KV, so a 64-bit hash is not enough. Hashes are private to the
-engine-core process; nothing persists or crosses a process boundary. A request's tokens only grow,
+silently serve another prompt's KV, so a 64-bit hash is not enough. With prefix retention
+(flare.engine.retention) the same hashes key the tiers below the GPU: the allocator tells its `retention`
+when a cached page becomes evictable and when one is reclaimed, and a request can take pages that a
+retained prefix is copied into (`take_pages`), recorded as cached once the copy is done
+(`record_loaded`). Otherwise hashes stay in the engine-core process. A request's tokens only grow,
 so the hashes of its full pages are computed once and kept until the request is freed for good
 (`free`); a request that gives its pages back to come again (`release_pages`: it could not be
 admitted yet, or was preempted) keeps them, so waiting at the head of the queue costs no rehashing.
@@ -35,6 +38,17 @@ import hashlib
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class RetentionEvents(Protocol):
+    """What prefix retention hears from the GPU prefix cache (flare.engine.retention.tiers.PrefixTiers)."""
+
+    def page_released(self, page: int, key: bytes) -> None:
+        """A cached page became evictable (nobody uses it)."""
+
+    def page_evicted(self, page: int) -> None:
+        """An evictable cached page is reclaimed for new content."""
 
 
 class KVCacheIntegrityError(RuntimeError):
@@ -42,8 +56,10 @@ class KVCacheIntegrityError(RuntimeError):
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 retention: RetentionEvents | None = None) -> None:
         self.num_pages = num_pages
+        self.retention = retention if enable_prefix_caching else None
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self._refcounts = [0] * num_pages
@@ -92,6 +108,14 @@ class PageAllocator:
     def page_table(self, request_id: str) -> list[int | None]:
         """The request's pages in token order, None for blocks given back (read-only for callers)."""
         return self._page_tables.get(request_id, [])
+
+    def caches(self, key: bytes) -> bool:
+        """Whether a GPU page holds the content of chained hash `key` (nothing is pinned or reordered)."""
+        return key in self._page_of_hash
+
+    def content_hashes(self, request_id: str, token_ids: Sequence[int], first: int, last: int) -> list[bytes]:
+        """The chained hashes of the request's full pages `first .. last - 1` (the tiers' keys)."""
+        return [self._content_hash(request_id, token_ids, index) for index in range(first, last)]
 
     # ---- changes ---------------------------------------------------------------------------------
 
@@ -160,6 +184,31 @@ class PageAllocator:
                 break                                       # released earlier, and everything below it
             self._unpin(table[index])
             table[index] = None
+
+    def take_pages(self, request_id: str, count: int) -> list[int]:
+        """Append `count` pages to the request's table for a retained prefix copied in; they hold nothing
+        anyone may read until `record_loaded`. Ask `num_free_pages` first."""
+        if count > self.num_free_pages:
+            raise KVCacheIntegrityError(f"request {request_id!r} takes {count} pages, only {self.num_free_pages} are free")
+        pages = [self._take_page() for _ in range(count)]
+        self._page_tables[request_id] += pages
+        return pages
+
+    def record_loaded(self, request_id: str, keys: Sequence[bytes]) -> None:
+        """The request's pages after its recorded ones now hold the content `keys` (chained hashes, in
+        order): they join the prefix cache as if the request had computed them."""
+        chain = self._hash_chains[request_id]
+        table = self._page_tables[request_id]
+        for key in keys:
+            page = table[len(chain)]
+            chain.append(key)
+            if key not in self._page_of_hash and page not in self._hash_of_page:
+                self._page_of_hash[key] = page
+                self._hash_of_page[page] = key
+
+    def num_recorded_tokens(self, request_id: str) -> int:
+        """Tokens the request's recorded (cached) pages hold."""
+        return len(self._hash_chains.get(request_id, ())) * self.page_size
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Record the content of every page now full of computed tokens, so later requests can share it."""
@@ -240,6 +289,8 @@ class PageAllocator:
             page, _ = self._evictable.popitem(last=False)
             del self._page_of_hash[self._hash_of_page.pop(page)]
             self.num_evicted_pages += 1
+            if self.retention is not None:
+                self.retention.page_evicted(page)
         self._refcounts[page] = 1
         return page
 
@@ -248,6 +299,8 @@ class PageAllocator:
         if self._refcounts[page] == 0:
             if page in self._hash_of_page:
                 self._evictable[page] = None
+                if self.retention is not None:
+                    self.retention.page_released(page, self._hash_of_page[page])
             else:
                 self._free.append(page)
 

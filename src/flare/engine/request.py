@@ -63,6 +63,7 @@ class Request:
         self.draft_token_ids: tuple[int, ...] = ()   # proposed for the next step (speculation)
         self.num_proposed_drafts = 0                # drafts the runner's draft model is to propose after them
         self.samples_ahead: bool | None = None      # the runner's answer for its params, once asked
+        self.read_retained = False          # its retained prefix was read from disk or the pool once
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if request.params.prompt_logprobs is not None else None)
 

@@ -34,7 +34,8 @@ from flare.engine.logprobs import SelectedLogprobs, select_logprobs
 from flare.engine.sampler import DeviceSampler
 from flare.engine.sampling_params import SamplingParams
 from flare.engine.speculation.verification import VerifiedRows, VerifyingRows, verify, with_proposal
-from flare.engine.step import PromptLogprobs, ScheduledRow, StepPlan, StepResult, with_token_masks
+from flare.engine.step import (DoneStep, PromptLogprobs, RetainedGeometry, ScheduledRow, StepPlan, StepResult,
+                               TransferNews, with_token_masks)
 from flare.engine.step_inputs import decode_rows, flat_inputs
 
 
@@ -80,6 +81,35 @@ class ModelRunner:
                 self.graphs = self._build_graphs(capture)
             if self.proposer is None or not self.proposer.reads_target_hidden_states:
                 self.prompt_graphs = self._build_prompt_graphs(capture)
+        self.store = self._retention_store()
+
+    def _retention_store(self):
+        """The host (and disk, pool) tiers of the prefix cache, over every cache on the pages: the target's
+        and a learned draft's (flare.engine.retention.page_store); None when the engine retains nothing."""
+        if not self.config.prefix_retention.enabled:
+            return None
+        from flare.engine.retention.page_store import RetainedPages
+
+        caches = list(self.kv_caches) + list(getattr(self.proposer, "kv_caches", None) or ())
+        return RetainedPages(caches, self.config.prefix_retention)
+
+    def retained_geometry(self) -> RetainedGeometry | None:
+        """What the runner keeps below the GPU, with the disk's page files listed now
+        (flare.engine.step.RetainingRunner); None: nothing."""
+        store = self.store
+        if store is None:
+            return None
+        disk = store.disk
+        return RetainedGeometry(store.num_slots, store.slot_bytes, disk.file_bytes if disk is not None else 0,
+                                store.disk_listing())
+
+    def transfer_news(self, wait_s: float = 0.0) -> TransferNews:
+        return self.store.news(wait_s) if self.store is not None else TransferNews()
+
+    def close_retention(self, deadline_s: float) -> None:
+        if self.store is not None:
+            self.store.close(deadline_s)
+            self.store = None
 
     def _proposer(self, draft, dtype: torch.dtype):
         from flare.models.eagle3 import Eagle3Draft
@@ -130,7 +160,9 @@ class ModelRunner:
         return self.launch(plan).result()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> PendingResult:
+    def launch(self, plan: StepPlan) -> PendingResult | DoneStep:
+        if not self._move_pages(plan):
+            return DoneStep(StepResult(()))
         states, pending = self._begin(plan)
         if self._fits_graph(plan.rows):
             forward = self.graphs.launch_forward(decode_rows(plan, self.slots))
@@ -163,8 +195,19 @@ class ModelRunner:
         whole with them (its forward is a larger share of its time, and its rows rarely need a mask)."""
         if not self._fits_graph(plan.rows):
             return MaskedLaunch(self, plan)
+        self._move_pages(plan)
         _, pending = self._begin(plan)
         return MaskedLaunch(self, plan, pending, self.graphs.launch_forward(decode_rows(plan, self.slots)))
+
+    def _move_pages(self, plan: StepPlan) -> bool:
+        """The plan's prefix-retention copies (before its rows), and the wait for a copy out of a page the
+        rows are handed to write; False when the plan has no rows to compute."""
+        if self.store is not None:
+            if plan.transfers is not None:
+                self.store.apply(plan.transfers)
+            if self.device.type == "cuda":
+                self.store.guard(row.new_page_ids for row in plan.rows)
+        return bool(plan.rows)
 
     def _begin(self, plan: StepPlan) -> tuple[list[SlotRequest], PendingResult]:
         """Apply the plan's deltas; the rows' slot requests and the step's answer to fill."""

@@ -22,6 +22,12 @@ A running request holds a batch slot (lowest free first) from admission until it
 is preempted. `schedule()` also says what the runner needs to know (`flare.engine.step.StepPlan`):
 requests new to their slot, pages added since the last plan, slots freed.
 
+With prefix retention (`tiers`, flare.engine.retention.tiers), admission also asks whether the prompt
+continues past its GPU hit into pages held below the GPU. If so the request waits off the queue
+(`fetching`) while they are read up to the host and copied into pages it holds, and comes back to the
+head of the queue when the core hears they are there (`resume`, `loaded`); the next in line may be
+admitted meanwhile. Each plan carries the tiers' transfers, and a plan may carry transfers alone.
+
 The scheduler never touches pages: it asks the allocator yes/no questions and hands it request ids.
 """
 
@@ -32,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -39,6 +46,9 @@ from flare.engine.config import EngineConfig
 from flare.engine.kv_cache import PageAllocator
 from flare.engine.request import Request, RequestStatus
 from flare.engine.step import NewRequest, ScheduledRow, StepPlan
+
+if TYPE_CHECKING:
+    from flare.engine.retention.tiers import PrefixTiers
 
 
 class ScheduledChunk(msgspec.Struct, frozen=True):
@@ -105,13 +115,16 @@ class _Planning:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: PageAllocator,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tiers: PrefixTiers | None = None) -> None:
         self.config = config
         self.policy = config.scheduler_policy
         self.allocator = allocator
         self.clock = clock
+        self.tiers = tiers
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.fetching: dict[str, Request] = {}      # waiting for their retained prefix to come up
+        self._loaded: set[str] = set()              # back in the queue holding the pages it was copied into
         self.retired: dict[str, Request] = {}       # sampled to the end, their last ids on the way
         self.num_prefix_hit_tokens = 0      # counter: prompt tokens served from the prefix cache
         self.num_prefix_miss_tokens = 0     # counter: prompt tokens that had to be computed
@@ -126,7 +139,25 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.retired)
+        return bool(self.waiting or self.running or self.retired or self.fetching)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.fetching)
+
+    def resume(self, request_ids) -> None:
+        """Requests whose retained pages were read up (or copied in) come back to the head of the queue,
+        in arrival order."""
+        back = [self.fetching.pop(request_id) for request_id in request_ids if request_id in self.fetching]
+        for request in sorted(back, key=lambda r: r.arrival, reverse=True):
+            self.waiting.appendleft(request)
+
+    def loaded(self, request_id: str, keys) -> None:
+        """A fetching request's retained pages are in the GPU pages it holds: they join the prefix cache."""
+        if request_id in self.fetching:
+            self.allocator.record_loaded(request_id, keys)
+            self._loaded.add(request_id)
+            self.resume([request_id])
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -154,12 +185,16 @@ class Scheduler:
             if not self._admit(self.waiting[0], step, now):
                 break
             self.waiting.popleft()
+        if self._loaded:
+            self._release_loaded()
         return self._output([chunk for chunk, _ in step.chunks.values()])
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and give back its pages (its cached pages stay resident)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.request_id in self.fetching:
+            del self.fetching[request.request_id]
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.RETIRED:
@@ -169,6 +204,9 @@ class Scheduler:
         self._release_slot(request)
         request.status = RequestStatus.FINISHED
         self.allocator.free(request.request_id)
+        if self.tiers is not None:
+            self.tiers.forget(request.request_id)
+            self._loaded.discard(request.request_id)
 
     def retire(self, request: Request) -> None:
         """A running request whose every remaining token is sampled gives back its slot at once; it
@@ -254,7 +292,13 @@ class Scheduler:
         # Keep the last token uncached: its logits are needed to sample. Prompt logprobs need every
         # prompt position's logits, so a request still wanting them takes nothing from the cache.
         reusable = 0 if request.wants_prompt_logprobs else request.num_tokens - 1
-        cached = self.allocator.match_prefix(request.request_id, request.all_token_ids, reusable)
+        if request.request_id in self._loaded:               # back with its retained prefix copied in
+            self._loaded.discard(request.request_id)
+            cached = self.allocator.num_recorded_tokens(request.request_id)
+        else:
+            cached = self.allocator.match_prefix(request.request_id, request.all_token_ids, reusable)
+            if self.tiers is not None and self._fetch_retained(request, cached, reusable):
+                return True                                 # it waits off the queue; the next may go
         request.num_computed_tokens = cached
         num_new = self._prefill_size(request, step, now)
         if num_new <= 0 or not self.allocator.can_allocate(request.request_id, cached + num_new, start=cached):
@@ -262,6 +306,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             return False
         self.allocator.allocate(request.request_id, cached + num_new, start=cached)
+        if self.tiers is not None:
+            self.tiers.forget(request.request_id)
         request.status = RequestStatus.RUNNING
         request.slot = heapq.heappop(self._free_slots)
         self.running.append(request)
@@ -272,6 +318,37 @@ class Scheduler:
             self.num_prefix_miss_tokens += request.num_prompt_tokens - cached
         return True
 
+    def _release_loaded(self) -> None:
+        """Requests back with loaded pages that were not admitted this step give them back: the pages stay
+        in the GPU prefix cache, where their admission finds them, and hold up no request before them."""
+        for request_id in self._loaded:
+            if self.allocator.holds(request_id):
+                self.allocator.release_pages(request_id)
+        self._loaded.clear()
+
+    def _fetch_retained(self, request: Request, cached: int, reusable: int) -> bool:
+        """Start bringing up the pages of the request's prompt held below the GPU after its `cached` GPU
+        hit: a read to the host (its GPU hit is let go meanwhile) or a copy into pages it takes now.
+        Returns whether it now waits for them; False leaves it to be admitted as it is."""
+        page_size = self.allocator.page_size
+        first, last = cached // page_size, reusable // page_size
+        if last <= first:
+            return False
+        request_id = request.request_id
+        keys = self.allocator.content_hashes(request_id, request.all_token_ids, first, last)
+        found = self.tiers.plan_fetch(request_id, keys, may_read=not request.read_retained)
+        if found.reading:
+            request.read_retained = True
+            self.allocator.release_pages(request_id)
+            self.fetching[request_id] = request
+            return True
+        count = min(len(found.loadable), self.allocator.num_free_pages - 1)   # a page left for the rest
+        if count <= 0:
+            return False
+        pages = self.allocator.take_pages(request_id, count)
+        self.tiers.order_load(request_id, found.loadable[:count], pages)
+        self.fetching[request_id] = request
+        return True
 
     def _new_window_pages(self, request: Request) -> tuple[int, tuple[int, ...]]:
         """(first block, pages) of the request's window table the runner has not been given (none without a
@@ -284,11 +361,13 @@ class Scheduler:
         return first, tuple(table[first:])
 
     def _output(self, chunks: list[ScheduledChunk]) -> SchedulerOutput:
-        """The plan of these chunks: new seats, the pages each request gained, the slots freed meanwhile.
+        """The plan of these chunks: new seats, the pages each request gained, the slots freed meanwhile,
+        and the prefix tiers' transfers.
 
         With no chunks the freed slots wait for the next plan that carries rows."""
+        transfers = self.tiers.take_transfers() if self.tiers is not None else None
         if not chunks:
-            return SchedulerOutput(StepPlan(()), ())
+            return SchedulerOutput(StepPlan((), transfers=transfers), ())
         new_requests, rows = [], []
         for chunk in chunks:
             request = chunk.request
@@ -303,6 +382,7 @@ class Scheduler:
                                      num_proposed=chunk.num_proposed, window_first_block=first,
                                      window_page_ids=window))
             request.num_pages_sent = len(table)
-        plan = StepPlan(tuple(rows), tuple(new_requests), tuple(self._finished_ids), tuple(self._preempted_ids))
+        plan = StepPlan(tuple(rows), tuple(new_requests), tuple(self._finished_ids), tuple(self._preempted_ids),
+                        transfers)
         self._finished_ids, self._preempted_ids = [], []
         return SchedulerOutput(plan, tuple(chunk.request for chunk in chunks))

@@ -38,6 +38,23 @@ class EngineStats:
     kernel_builds: int = 0
     kernel_build_seconds: float = 0.0
     kernel_builds_recent: tuple[str, ...] = ()
+    # Prefix retention below the GPU (flare.engine.retention), counters: prompt tokens whose pages came
+    # from each tier (they count in prefix_cache_hit_tokens too; the rest of those are GPU hits), and the
+    # bytes moved each way; gauges: pages each tier holds, and the host tier's slots.
+    prefix_cache_host_hit_tokens: int = 0
+    prefix_cache_disk_hit_tokens: int = 0
+    prefix_cache_pool_hit_tokens: int = 0
+    retained_bytes_gpu_to_host: int = 0
+    retained_bytes_host_to_gpu: int = 0
+    retained_bytes_host_to_disk: int = 0
+    retained_bytes_disk_to_host: int = 0
+    retained_bytes_host_to_pool: int = 0
+    retained_bytes_pool_to_host: int = 0
+    retained_read_failures: int = 0         # counter: disk pages found damaged, foreign or gone
+    retained_write_failures: int = 0        # counter: disk writes that failed (a full disk)
+    retained_host_pages: int = 0
+    retained_host_slots: int = 0
+    retained_disk_pages: int = 0
 
 
 @dataclass(frozen=True)

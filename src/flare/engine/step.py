@@ -22,6 +22,12 @@ only deltas cross: new pages, the tokens to compute, the slots to free. What eac
   order. A row may belong to a request that finished meanwhile: the core discards its answer.
 * `samples_ahead(params)` False means the runner needs a request's step-N ids on the host before it
   samples that request again (the core then reads step N's result before planning step N+1).
+* Prefix retention (`PageTransfers`, a runner with `retained_slots`): a plan's transfers are ordered after
+  every step launched before it and before any later step writes the pages they touch; their device
+  copies run beside the steps, never in a step's way. GPU pages a plan hands a row (`new_page_ids`) may
+  have a copy out still running: the runner lets the row write them only after it. A load's pages are
+  read by no row before `transfer_news` reported its ticket, and a host slot is the target of a copy
+  only once the disk or pool operation on it before was reported.
 """
 
 from __future__ import annotations
@@ -76,11 +82,59 @@ class ScheduledRow(msgspec.Struct, frozen=True):
         return self.num_new_tokens - len(self.draft_token_ids) - self.num_proposed
 
 
+class PageCopy(msgspec.Struct, frozen=True, array_like=True):
+    """One page's K/V between a GPU page and a host slot of the retained tiers (every cache tensor's page)."""
+
+    page: int
+    slot: int
+
+
+class PageLoad(msgspec.Struct, frozen=True):
+    """Host slots copied into GPU pages for one waiting request; `ticket` is reported once they are there."""
+
+    ticket: int
+    copies: tuple[PageCopy, ...]
+
+
+class StoredPage(msgspec.Struct, frozen=True, array_like=True):
+    """A host slot and the chained content hash of the page it holds, for the tiers below the host (disk,
+    pool); `ticket` is reported when the write or read is done (or failed: `TransferNews.failed`)."""
+
+    ticket: int
+    slot: int
+    key: bytes
+
+
+class PageTransfers(msgspec.Struct, frozen=True):
+    """What a plan moves between the GPU pages and the retained tiers (flare.engine.retention)."""
+
+    saves: tuple[PageCopy, ...] = ()        # GPU page -> host slot: cached pages that became evictable
+    loads: tuple[PageLoad, ...] = ()        # host slot -> GPU page: a request's prefix found below the GPU
+    writes: tuple[StoredPage, ...] = ()     # host slot -> disk: written down, least recently used first
+    reads: tuple[StoredPage, ...] = ()      # disk -> host slot: found there, wanted on the GPU
+    pool_writes: tuple[StoredPage, ...] = ()    # host slot -> the shared pool
+    pool_reads: tuple[StoredPage, ...] = ()     # the shared pool -> host slot (a page it lacks: failed)
+    discards: tuple[bytes, ...] = ()        # disk files to delete (given up for room)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.writes or self.reads or self.pool_writes
+                    or self.pool_reads or self.discards)
+
+
+class TransferNews(msgspec.Struct, frozen=True):
+    """What the runner finished since it was last asked: tickets whose every part is done, and the parts
+    that failed ((ticket, key): a damaged or missing file, a full disk, a pool that did not answer)."""
+
+    done: tuple[int, ...] = ()
+    failed: tuple[tuple[int, bytes], ...] = ()
+
+
 class StepPlan(msgspec.Struct, frozen=True):
     rows: tuple[ScheduledRow, ...]
     new_requests: tuple[NewRequest, ...] = ()
     finished_request_ids: tuple[str, ...] = ()      # finished or aborted since the last plan: forget them
     preempted_request_ids: tuple[str, ...] = ()     # preempted since the last plan: they come back as new
+    transfers: PageTransfers | None = None          # prefix retention's copies, ordered before the rows
 
     @property
     def num_batched_tokens(self) -> int:
@@ -137,6 +191,30 @@ class StepRunner(Protocol):
 
     def samples_ahead(self, params: SamplingParams) -> bool:
         """Whether a request with these params may be sampled again before its last ids reach the host."""
+
+
+class RetainedGeometry(msgspec.Struct, frozen=True):
+    """What a retaining runner holds below the GPU, for the core's books: host slots of one page each, the
+    size of a page file, and the page files found on disk (their keys, least recently used first)."""
+
+    host_slots: int
+    slot_bytes: int
+    disk_file_bytes: int = 0
+    disk_keys: tuple[bytes, ...] = ()
+
+
+class RetainingRunner(StepRunner, Protocol):
+    """A runner that keeps prefix states below the GPU (flare.engine.retention); plans carry its
+    `PageTransfers`."""
+
+    def retained_geometry(self) -> RetainedGeometry | None:
+        """What it keeps below the GPU, the disk's page files listed now; None when it retains nothing."""
+
+    def transfer_news(self, wait_s: float = 0.0) -> TransferNews:
+        """The transfers finished since the last call; waits up to `wait_s` for one when none has."""
+
+    def close_retention(self, deadline_s: float) -> None:
+        """Finish the disk writes ordered so far within `deadline_s` seconds, then stop the tiers' workers."""
 
 
 @dataclass(frozen=True)

@@ -149,12 +149,14 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 10) -> None:
         """Stop the core process (waiting for it to exit, then killing it) and release the sockets.
-        Requests still streaming end with EngineDeadError. Calling it again does nothing."""
+        Requests still streaming end with EngineDeadError. Calling it again does nothing. The core may
+        take its drain_on_shutdown longer (writing the host tier of the prefix cache to disk)."""
         if self._closed:
             return
         self._closed = True
         self._stopping = True                         # the core's exit from here on is expected
-        self._connection.stop(timeout_s)
+        disk = self._ready.engine_config.prefix_retention.disk
+        self._connection.stop(timeout_s + (disk.drain_s if disk is not None else 0.0))
         self._dead = self._dead or "the engine was shut down"
         self._reader.join(timeout_s)
         self._fail_all(EngineDeadError(self._dead))

@@ -33,10 +33,12 @@ class InspectOptions:
 
 
 def build_report(package: Package, options: InspectOptions,
-                 reply_parsers: Callable[[Path], dict] = lambda frontend_dir: {}) -> dict:
+                 reply_parsers: Callable[[Path], dict] = lambda frontend_dir: {},
+                 retained: dict | None = None) -> dict:
     """The report `flare inspect` prints. `reply_parsers` describes how replies are read from the
     package's frontend assets (flare.frontend.chat_template.reply_parsers: the frontend sits above this
-    module, so the caller brings it)."""
+    module, so the caller brings it); `retained` where `flare run` keeps this package's prefix states
+    below the GPU (from the configuration, so the caller brings it too)."""
     manifest = package.manifest
     deployment = _select_deployment(manifest, options.tensor_parallel)
     ranks = _select_ranks(deployment, options.rank)
@@ -48,6 +50,8 @@ def build_report(package: Package, options: InspectOptions,
                                    "rank_count": len(deployment.ranks),
                                    "selected_tensor_parallel": options.tensor_parallel},
                     "ranks": [_rank_summary(package, rank) for rank in ranks]}
+    if retained is not None:
+        report["retained_prefix_states"] = retained
     if options.memory_map or options.all:
         report["memory_map"] = _memory_map(package, ranks)
     if options.graphs or options.all:
@@ -62,6 +66,21 @@ def build_report(package: Package, options: InspectOptions,
                              "preparation": msgspec.to_builtins(manifest.preparation)}
         report["manifest"] = manifest.to_builtins()
     return report
+
+
+def _retained_text(retained: dict) -> list[tuple[str, str]]:
+    host = retained["host_memory_bytes"]
+    rows = [("host memory", f"{format_bytes(host)} ([prefix_cache] memory)" if host
+             else "off: evicted prefixes are recomputed ([prefix_cache] memory keeps them)")]
+    directory = retained["disk_directory"]
+    if directory is None:
+        rows.append(("disk", "off ([paths] prefix_cache keeps them across restarts)"))
+        return rows
+    limit = retained["disk_limit_bytes"]
+    rows.append(("disk", f"{directory}, up to {format_bytes(limit) if limit else '10% of its free space'}"))
+    for folder in retained["disk"] or [{"path": "(none yet)", "pages": 0, "bytes": 0}]:
+        rows.append(("held", f"{folder['pages']:,} pages, {format_bytes(folder['bytes'])} in {folder['path']}"))
+    return rows
 
 
 def to_json(report: dict) -> str:
@@ -390,6 +409,8 @@ def _summary_sections(report: dict) -> list[Section]:
                                ("speculation", _text(report["speculation"]) if report["speculation"] else "off")]),
         Section("Sampling", [("defaults", _text(report["sampling"]["defaults"])),
                              ("ranges", _text(report["sampling"]["ranges"]))]),
+        *([Section("Prefix cache", _retained_text(report["retained_prefix_states"]))]
+          if "retained_prefix_states" in report else []),
         Section(f"Ranks ({report['deployment']['name']})",
                 table=(["rank", "weights", "stored as", "fixed", "graphs"],
                        [[str(r["rank"]), format_bytes(r["weight_bytes"]), _storage_text(r["weight_storage"]),

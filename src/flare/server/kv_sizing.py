@@ -28,9 +28,10 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, memory_limit: str | None,
-                    reserve: int, speculation=None) -> KVPool:
+                    reserve: int, speculation=None, retention=None) -> KVPool:
     """Pages for the shared KV pool of one device (raises CapacityError in the section-6 form).
-    `speculation` (the engine's SpeculationSettings) adds verification scratch and lookahead pages."""
+    `speculation` (the engine's SpeculationSettings) adds verification scratch and lookahead pages;
+    `retention` (RetentionSettings) the prefix cache's cost on the device (`retention_device_bytes`)."""
     from flare.speculation_plan import speculation_memory
 
     limit_mode = parse_kv_cache_limit(kv_cache_limit)
@@ -52,7 +53,7 @@ def serving_kv_pool(model: ServedModel, concurrency: int, kv_cache_limit: str, m
                        live_state=concurrency * (live_state_bytes_per_request(model.hf_config, model.page_size,
                                                                               model.max_model_len)
                                                  + verify.per_request),
-                       prefix_cache_floor=0,
+                       prefix_cache_floor=retention_device_bytes(retention, device.host),
                        window_pages=serving_window_pool(model, concurrency).bytes(concurrency))
     geometry = KVGeometry(page_size=model.page_size, bytes_per_token=token_bytes,
                           max_context=model.max_model_len, max_concurrency=concurrency)
@@ -67,8 +68,18 @@ def serving_window_pool(model: ServedModel, concurrency: int):
                        _DTYPE_BYTES.get(model.dtype, 4))
 
 
+def retention_device_bytes(retention, host_device: bool) -> int:
+    """What prefix retention takes from the device's budget: its copies' staging buffer on a GPU; on a
+    device sized from host memory (no GPU), the host tier itself, which lives in that same memory."""
+    from flare.engine.retention.host_pages import STAGING_BYTES
+
+    if retention is None or not retention.enabled:
+        return 0
+    return retention.host_bytes if host_device else STAGING_BYTES
+
+
 def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, scheduler_policy=None,
-                          speculation=None):
+                          speculation=None, retention=None):
     """The EngineConfig for serving `model` with `pool`; records which limit bound the pool. Its decode
     graphs are the plan's sizes that `concurrency` needs (all of them at the prepared concurrency), and
     so are its prompt graphs' token buckets (those the step budget at `concurrency` reaches)."""
@@ -83,6 +94,4 @@ def serving_engine_config(model: ServedModel, concurrency: int, pool: KVPool, sc
                                   prepared_concurrency=model.prepared_concurrency,
                                   scheduler_policy=scheduler_policy, decode_graph_sizes=sizes,
                                   prompt_graph_sizes=prompt_sizes_for(model.prompt_graph_sizes, budget),
-                                  speculation=speculation,
-                                  window=window)
-
+                                  speculation=speculation, window=window, prefix_retention=retention)

@@ -18,8 +18,10 @@ from typing import Any, Callable, TextIO
 from flare.errors import UsageError
 from flare.server.cadence import serving_cadence, step_costs_of
 from flare.server.engine_start import gib, serving_device, start_engine_process, start_in_process
-from flare.server.kv_sizing import KV_CACHE_LIMITS, KVPool, serving_engine_config, serving_kv_pool
+from flare.server.kv_sizing import (KV_CACHE_LIMITS, KVPool, serving_engine_config, serving_kv_pool,
+                                 serving_window_pool)
 from flare.server.listener import Listener, reserve, run_http
+from flare.server.retention_settings import retention_lines
 from flare.server.served_model import ServedModel
 from flare.server.settings import SamplingPolicy, ServerSettings
 from flare.ui.banner import show_banner
@@ -43,6 +45,8 @@ class ListenerOptions:
     profile_steps: Path | None = None       # --profile-steps DIR: traces of a window of serving steps
     profile_steps_window: tuple[int, int] | None = None   # --profile-steps-window FIRST,COUNT; None: defaults
     speculation: Any = None                 # flare.speculation_plan.ServingFlags; None: the package's defaults
+    prefix_cache_pool: str | None = None    # --prefix-cache-pool ADDRESS: share retained states (packages)
+    prefix_cache_pool_ca: Path | None = None    # --prefix-cache-pool-ca FILE
 
 
 # ---- settings from flags, configuration and the package ------------------------------------------------
@@ -128,8 +132,10 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
     device = serving_device()
     cadence = serving_cadence(listener_options.scheduler_policy, model.step_costs, concurrency, model.prefill_chunk,
                               listener_options.max_step_ms, config, packaged=model.package_path is not None)
-    pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve, speculation)
-    engine_config = serving_engine_config(model, concurrency, pool, cadence.policy, speculation)
+    retention = serving_retention_settings(listener_options, config, model)
+    pool = serving_kv_pool(model, concurrency, listener_options.kv_cache_limit, memory_limit, reserve, speculation,
+                           retention)
+    engine_config = serving_engine_config(model, concurrency, pool, cadence.policy, speculation, retention)
     if model.package_path is not None:
         engine, tokenizer = start_engine_process(model, engine_config, device, stages,
                                                  engine_diagnostics(listener_options))
@@ -183,7 +189,30 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
         f"tokens, prefill chunk {engine_config.prefill_chunk:,}",
         *([f"  cadence: {cadence}"] if cadence else []),
         f"  {speculation_line(engine_config.speculation)}",
+        *retention_lines(engine_config.prefix_retention),
     ]
+
+
+def serving_retention_settings(listener: ListenerOptions, config: Any, model: ServedModel):
+    """Prefix retention below the GPU: [prefix_cache], [paths] prefix_cache and the pool flags, which
+    `flare run` applies to a package (debug-serve retains nothing below the GPU)."""
+    from flare.engine.retention.settings import RetentionSettings
+    from flare.server.retention_settings import PoolFlags, check_pool_flags, serving_retention
+
+    pool = PoolFlags(listener.prefix_cache_pool, listener.prefix_cache_pool_ca)
+    if model.identity is None:
+        check_pool_flags(pool)
+        if pool.address is not None:
+            raise UsageError("--prefix-cache-pool shares the retained states of a package; debug-serve serves a "
+                             "checkpoint: export it and use flare run")
+        return RetentionSettings()
+    retention = serving_retention(config, model.identity, pool)
+    if retention.enabled and serving_window_pool(model, 1).page_bytes:
+        where = f" in {config.path}" if config is not None else ""
+        raise UsageError(f"[prefix_cache] memory{where} keeps prefix states of caches with one page kind; this "
+                         "model's cache also has window pages (DeepSeek V4), which its prefix cache keeps on the "
+                         "GPU only: remove [prefix_cache] memory (and [paths] prefix_cache, --prefix-cache-pool)")
+    return retention
 
 
 def engine_diagnostics(listener: ListenerOptions):
@@ -325,6 +354,8 @@ def source_repository(url: str) -> str | None:
 
 
 def _package_model(package: Any, weight_bytes: int) -> ServedModel:
+    from flare.engine.retention.settings import package_identity
+
     manifest = package.manifest
     plan = manifest.plan
     max_model_len = plan.max_model_len or package.hf_config.get("max_position_embeddings")
@@ -338,7 +369,8 @@ def _package_model(package: Any, weight_bytes: int) -> ServedModel:
         memory_reserve_bytes=plan.memory_reserve_bytes, package_path=package.path,
         decode_capacities=plan.decode_capacities, kv_cache_dtype=plan.kv_cache_dtype, online_fp8=plan.online_fp8,
         step_costs=step_costs_of(plan), prompt_graph_sizes=plan.prompt_graph_sizes,
-        prompt_graph_bytes=plan.prompt_graph_bytes, speculation=plan.speculation)
+        prompt_graph_bytes=plan.prompt_graph_bytes, speculation=plan.speculation,
+        identity=package_identity(package.files.primary.manifest_body))
 
 
 # ---- ignition debug-serve: a checkpoint, no package --------------------------------------------------------

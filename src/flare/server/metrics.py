@@ -22,6 +22,9 @@ def _value(stats: Any, key: str) -> float:
     `mean_accepted_length` the tokens a verification round brought on average (drafts accepted + 1)."""
     if key == "kv_cache_usage":
         return stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
+    if key == "prefix_cache_gpu_hit_tokens":
+        return float(stats.prefix_cache_hit_tokens - stats.prefix_cache_host_hit_tokens
+                     - stats.prefix_cache_disk_hit_tokens - stats.prefix_cache_pool_hit_tokens)
     if key == "mean_accepted_length":
         rounds = stats.speculative_rounds
         return (stats.draft_tokens_accepted + rounds) / rounds if rounds else 0.0
@@ -41,6 +44,26 @@ ENGINE_COUNTERS = (
     ("flare_spec_decode_accepted_tokens", "draft_tokens_accepted", "Draft tokens accepted"),
     ("flare_kernel_builds", "kernel_builds", "Triton kernels built while serving (each stalls its step)"),
     ("flare_kernel_build_seconds", "kernel_build_seconds", "Seconds spent building Triton kernels while serving"),
+    ("flare_prefix_retention_read_failures", "retained_read_failures",
+     "Retained prefix pages on disk found damaged, foreign or gone (recomputed, never served)"),
+    ("flare_prefix_retention_write_failures", "retained_write_failures",
+     "Retained prefix pages that could not be written to disk (a full disk)"),
+)
+# Families with one label: (metric name, label, {label value: EngineStats field}, help).
+ENGINE_LABELED_COUNTERS = (
+    ("flare_prefix_cache_tier_hit_tokens", "tier",
+     {"gpu": "prefix_cache_gpu_hit_tokens", "host": "prefix_cache_host_hit_tokens",
+      "disk": "prefix_cache_disk_hit_tokens", "pool": "prefix_cache_pool_hit_tokens"},
+     "Prompt tokens served from the prefix cache, by the tier their pages came from"),
+    ("flare_prefix_retention_bytes", "direction",
+     {"gpu_to_host": "retained_bytes_gpu_to_host", "host_to_gpu": "retained_bytes_host_to_gpu",
+      "host_to_disk": "retained_bytes_host_to_disk", "disk_to_host": "retained_bytes_disk_to_host",
+      "host_to_pool": "retained_bytes_host_to_pool", "pool_to_host": "retained_bytes_pool_to_host"},
+     "Bytes of prefix states moved between the tiers of the prefix cache"),
+)
+ENGINE_LABELED_GAUGES = (
+    ("flare_prefix_retention_pages", "tier", {"host": "retained_host_pages", "disk": "retained_disk_pages"},
+     "Prefix pages each tier below the GPU holds"),
 )
 # Per draft position (label position="0" for the first draft of a round).
 ENGINE_POSITION_COUNTERS = (
@@ -61,6 +84,8 @@ ENGINE_GAUGES = (
      "The cadence bound the balanced policy keeps on steps that carry decodes, in ms (0: none)"),
     ("flare_spec_decode_mean_accepted_length", "mean_accepted_length",
      "Tokens a verification round brought on average (accepted drafts + 1) over the engine's life"),
+    ("flare_prefix_retention_host_slots", "retained_host_slots",
+     "Pages the prefix cache's host tier holds at most (0: no host tier)"),
 )
 
 
@@ -81,6 +106,13 @@ class _EngineCollector:
             for name, key, text in families:
                 family = kind(name, text)
                 family.add_metric([], _value(stats, key))
+                yield family
+        for families, kind in ((ENGINE_LABELED_COUNTERS, CounterMetricFamily),
+                               (ENGINE_LABELED_GAUGES, GaugeMetricFamily)):
+            for name, label, keys, text in families:
+                family = kind(name, text, labels=[label])
+                for value, key in keys.items():
+                    family.add_metric([value], _value(stats, key))
                 yield family
         for name, key, text in ENGINE_POSITION_COUNTERS:
             family = CounterMetricFamily(name, text, labels=["position"])

@@ -35,3 +35,4 @@ class ServedModel:
     prompt_graph_bytes: int = 0            # device memory their capture took at export
     speculation: Any = None                # the plan's flare.package.manifest.SpeculationPlan; None: none
     iter_draft_weights: Callable[[], Iterator[tuple[str, Any]]] | None = None   # debug-serve's learned draft
+    identity: str | None = None            # packages: the SHA-256 of the signed manifest (retained states' key)

@@ -31,6 +31,7 @@ def run(args) -> int:
     import sys
     from flare.errors import UsageError
     from flare.frontend.chat_template import reply_parsers
+    from flare.config import load_config
     from flare.package.inspect import InspectOptions, build_report, sections, to_json
     from flare.package.reader import open_package, open_unverified, resolve_target
     from flare.package.render import render
@@ -39,7 +40,8 @@ def run(args) -> int:
 
     if args.unverified and (args.publisher_keys or args.trust_store):
         raise UsageError("--unverified reads no keys; it cannot be combined with --publisher-keys or --trust-store")
-    cache_root = model_cache_root(args.model_cache, getattr(args, "configuration", None))
+    configuration = getattr(args, "configuration", None) or load_config(getattr(args, "config", None))
+    cache_root = model_cache_root(args.model_cache, configuration)
     path = resolve_target(args.package, cache_root)
     options = InspectOptions(memory_map=args.memory_map, graphs=args.graphs, frontend=args.frontend, all=args.all,
                              rank=args.rank, tensor_parallel=args.tensor_parallel)
@@ -51,7 +53,8 @@ def run(args) -> int:
                                  offline=True, require_acceptance=False)
             package = open_package(path, trust)
         with package:
-            report = build_report(package, options, reply_parsers)
+            report = build_report(package, options, reply_parsers,
+                                  retained_states(configuration, package.files.primary.manifest_body))
     if args.json:
         print(to_json(report))
     else:
@@ -65,3 +68,17 @@ def model_cache_root(explicit: Path | None, configuration=None) -> Path:
     from flare.config import load_config, package_cache
 
     return package_cache(explicit, configuration if configuration is not None else load_config(None))
+
+
+def retained_states(config, manifest_body: str) -> dict:
+    """Where `flare run` keeps the prefix states of the package whose signed manifest is `manifest_body`
+    when they leave the GPU, under the configuration `config`, and what the disk holds of them now."""
+    from flare.engine.retention.disk_store import retained_on_disk
+    from flare.engine.retention.settings import package_identity
+
+    directory = config.paths.prefix_cache
+    identity = package_identity(manifest_body)
+    return {"identity": identity, "host_memory_bytes": config.prefix_cache.memory or None,
+            "disk_directory": str(directory) if directory is not None else None,
+            "disk_limit_bytes": config.prefix_cache.disk_limit,
+            "disk": retained_on_disk(directory, identity) if directory is not None else []}

@@ -33,6 +33,7 @@ def configure(parser):
     from flare.cli.speculation_flags import add_serving_arguments
 
     add_serving_arguments(parser)
+    add_pool_arguments(parser)
     scheduling = parser.add_argument_group("scheduling")
     scheduling.add_argument("--scheduler-policy", metavar="POLICY", default="balanced",
                             help="balanced keeps output cadence; throughput fills each step with prompt work "
@@ -61,6 +62,19 @@ def configure(parser):
     trust.add_argument("--model-cache", type=Path, metavar="PATH",
                        help="Flare prepared-model cache (default: paths.package_cache, otherwise "
                             "~/.cache/flare/packages)")
+
+
+def add_pool_arguments(parser) -> None:
+    """The shared pool of retained prefix states (the host and disk tiers are configured in the file)."""
+    retention = parser.add_argument_group("prefix cache (host memory and disk: [prefix_cache] and [paths] "
+                                          "prefix_cache in the configuration)")
+    retention.add_argument("--prefix-cache-pool", metavar="ADDRESS",
+                           help="share retained prefix states with the other servers of this package through a "
+                                "`flare prefix-pool` manager: unix:PATH, HOST:PORT or tls:HOST:PORT, IPv6 hosts "
+                                "in brackets; needs [prefix_cache] memory (default: no pool)")
+    retention.add_argument("--prefix-cache-pool-ca", type=Path, metavar="FILE",
+                           help="with a tls: pool: the CA its manager's certificate is checked against "
+                                "(default: the host's trust store)")
 
 
 def add_profiling_arguments(group) -> None:
@@ -92,6 +106,10 @@ def run(args) -> int:
                            (SERVING_MEMORY, args.memory_limit), (MAX_STEP_MS, args.scheduler_max_step_ms)):
         check_flag(setting, value)
     window = profile_steps_window(args)
+    from flare.server.retention_settings import PoolFlags, check_pool_flags
+
+    pool = PoolFlags(args.prefix_cache_pool, args.prefix_cache_pool_ca)
+    check_pool_flags(pool)                                   # before the package is opened
     args.configuration = _configuration(args)
     listener = ListenerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                api_key_file=args.api_key_file, max_concurrency=args.max_concurrency,
@@ -99,7 +117,8 @@ def run(args) -> int:
                                scheduler_policy=policy, max_step_ms=args.scheduler_max_step_ms,
                                gpus=parse_gpus(args.gpus) if args.gpus else None,
                                profile_startup=args.profile_startup, profile_steps=args.profile_steps,
-                               profile_steps_window=window, speculation=serving_flags(args))
+                               profile_steps_window=window, speculation=serving_flags(args),
+                               prefix_cache_pool=pool.address, prefix_cache_pool_ca=pool.ca_file)
     options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
                          config=args.configuration, model_cache=args.model_cache,
                          download=download_options_from_args(args))
