@@ -60,10 +60,12 @@ def test_a_tier_without_what_it_needs_is_refused_by_name(tmp_path, text, named):
     assert str(tmp_path / "config.toml") in str(caught.value)
 
 
-def test_the_pool_is_refused_by_name_until_it_exists(tmp_path):
-    with pytest.raises(UsageError, match="--prefix-cache-pool is not supported yet"):
-        serving_retention(config(tmp_path, '[prefix_cache]\nmemory = "1G"\n'), IDENTITY,
-                          PoolFlags("unix:/tmp/pool.sock"))
+def test_the_pool_needs_host_memory(tmp_path):
+    with pytest.raises(UsageError, match=r"--prefix-cache-pool .*\[prefix_cache\] memory"):
+        serving_retention(config(tmp_path, ""), IDENTITY, PoolFlags("unix:/tmp/pool.sock"))
+    settings = serving_retention(config(tmp_path, '[prefix_cache]\nmemory = "1G"\n'), IDENTITY,
+                                 PoolFlags("unix:/tmp/pool.sock"))
+    assert settings.pool.address == "unix:/tmp/pool.sock" and settings.disk is None
 
 
 def test_more_host_memory_than_the_host_has_is_a_capacity_error(tmp_path):

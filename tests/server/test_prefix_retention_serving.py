@@ -60,22 +60,22 @@ def inspect(home) -> dict:
     return json.loads(done.stdout)["retained_prefix_states"]
 
 
-def test_a_restarted_server_finds_the_states_the_last_one_drained(home):
-    first = FlareProcess(home, "stories260k").start()
-    try:
-        log = first.log
-        assert "prefix cache: GPU pages, then 64.0 MiB of host memory" in log
-        assert f"then disk: up to 1.0 GiB under {home / 'prefixes'} (staged)" in log
-        answer = complete(first)
-        saved = stats(first)
-        assert saved["retained_host_pages"] > 0 and saved["retained_bytes_gpu_to_host"] > 0
-        metrics = httpx.get(first.url + "/metrics", timeout=10).text
-        assert 'flare_prefix_retention_pages{tier="host"}' in metrics
-        assert 'flare_prefix_retention_bytes_total{direction="gpu_to_host"}' in metrics
-        measured = bench(first, home)                      # the GPU job's client, in small
-        assert measured["host_hit_tokens"] == [288] and measured["gpu_hit_tokens"] == [0]
-    finally:
-        assert first.stop() == 0
+def test_a_restarted_server_finds_the_states_the_last_one_drained(home, tmp_path):
+    from tests.server.test_prefix_pool import Manager
+
+    socket = tmp_path / "pool.sock"
+    with Manager(f"unix:{socket}", memory=64 << 20):
+        first = FlareProcess(home, "stories260k", "--prefix-cache-pool", f"unix:{socket}").start()
+        try:
+            log = first.log
+            assert "prefix cache: GPU pages, then 64.0 MiB of host memory" in log
+            assert f"then disk: up to 1.0 GiB under {home / 'prefixes'} (staged)" in log
+            assert f"shared with other servers through the pool at unix:{socket}" in log
+            answer, saved, measured = serve_and_measure(first, home)
+        finally:
+            assert first.stop() == 0
+        assert "sharing retained states through the pool 'test-pool'" in first.log
+    assert measured["host_hit_tokens"] == [288] and measured["gpu_hit_tokens"] == [0]
     retained = inspect(home)
     assert retained["host_memory_bytes"] == 64 << 20 and retained["disk_directory"] == str(home / "prefixes")
     [folder] = retained["disk"]
@@ -89,9 +89,27 @@ def test_a_restarted_server_finds_the_states_the_last_one_drained(home):
         assert found["prefix_cache_disk_hit_tokens"] > 0
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == found["prefix_cache_disk_hit_tokens"]
         metrics = httpx.get(second.url + "/metrics", timeout=10).text
-        assert f'flare_prefix_cache_tier_hit_tokens_total{{tier="disk"}} {float(found["prefix_cache_disk_hit_tokens"])}' in metrics
+        assert (f'flare_prefix_cache_tier_hit_tokens_total{{tier="disk"}} '
+                f'{float(found["prefix_cache_disk_hit_tokens"])}') in metrics
     finally:
         second.stop()
+
+
+def serve_and_measure(server, home) -> tuple[dict, dict, dict]:
+    """One answer, the stats after it (its pages saved to the host), /metrics, and the GPU job's client."""
+    answer = complete(server)
+    saved = stats(server)
+    assert saved["retained_host_pages"] > 0 and saved["retained_bytes_gpu_to_host"] > 0
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'flare_prefix_retention_pages{tier="host"}' in metrics
+    assert 'flare_prefix_retention_bytes_total{direction="gpu_to_host"}' in metrics
+    return answer, saved, bench(server, home)
+
+
+def test_a_pool_ca_without_the_pool_is_refused_before_loading(home):
+    done = subprocess.run(cli_command("flare", "run", "stories260k", "--prefix-cache-pool-ca", str(home / "ca.pem")),
+                          env=cli_env(home), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--prefix-cache-pool-ca" in done.stderr and "Load weights" not in done.stderr
 
 
 def test_inspect_shows_the_prefix_cache_box(home):

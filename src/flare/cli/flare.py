@@ -12,6 +12,8 @@ COMMANDS = (
     Command("inspect", "describe a prepared package", "flare.cli.commands.inspect"),
     Command("models", "manage the prepared-model cache", "flare.cli.commands.models"),
     Command("trust", "manage remembered publisher keys", "flare.cli.commands.trust"),
+    Command("prefix-pool", "share retained prefix states between servers of one package",
+            "flare.cli.commands.prefix_pool"),
 )
 
 

@@ -113,8 +113,9 @@ class EngineCore:
                 self.grammar.forget(request_id)
 
     def has_unfinished(self) -> bool:
-        """Requests scheduled or waiting for their grammars."""
-        return self.scheduler.has_unfinished() or self.grammar.num_waiting > 0
+        """Requests scheduled or waiting for their grammars, or prefix states still moving between tiers."""
+        return (self.scheduler.has_unfinished() or self.grammar.num_waiting > 0
+                or (self.tiers is not None and self.tiers.busy))
 
     def close(self, drain: bool = True) -> None:
         """The end of serving: on a clean stop (`drain`) with drain_on_shutdown, the host tier's pages not
@@ -156,7 +157,7 @@ class EngineCore:
             following = self._schedule_step() if self._plans_ahead(planned) else None
             launched = self.launcher.complete(planned, masks)
         else:
-            planned = self._start(self._schedule_step()) if self.scheduler.has_unfinished() else None
+            planned = self._start(self._schedule_step()) if self._has_plans() else None
             launched = self.launcher.complete(planned, self._masks_of(planned, previous)) if planned else None
             outputs = self._receive(previous) if previous is not None else []
             if planned is not None and self._plans_ahead(planned):
@@ -168,9 +169,13 @@ class EngineCore:
                 self._in_flight = launched
             else:
                 outputs += self._receive(launched)
-        elif self.tiers is not None and previous is None and self.scheduler.fetching:
+        elif self.tiers is not None and previous is None and self.tiers.busy:
             self._take_transfer_news(RETENTION_WAIT_S)      # nothing else to do: wait a little for them
         return outputs
+
+    def _has_plans(self) -> bool:
+        """Whether a step is to be planned: requests to schedule, or transfers between the tiers to order."""
+        return self.scheduler.has_unfinished() or (self.tiers is not None and self.tiers.has_orders)
 
     def _take_transfer_news(self, wait_s: float = 0.0) -> None:
         """What the runner finished moving between the tiers: requests whose retained pages came up go
@@ -227,6 +232,8 @@ class EngineCore:
         """Zero the prompt and compute counters a user reads (after a warm-up, flare.engine.warm_up)."""
         self.scheduler.num_prefix_hit_tokens = self.scheduler.num_prefix_miss_tokens = 0
         self._num_computed_tokens = 0
+        if self.tiers is not None:
+            self.tiers.reset_counters()
 
     def _integrity(self) -> str:
         try:

@@ -43,9 +43,6 @@ def check_pool_flags(flags: PoolFlags) -> None:
 def serving_retention(config: Any, identity: str, pool: PoolFlags = PoolFlags()) -> RetentionSettings:
     """The engine's RetentionSettings for serving the package of `identity`."""
     check_pool_flags(pool)
-    if pool.address is not None:
-        raise UsageError("--prefix-cache-pool is not supported yet: the shared pool manager is not implemented; "
-                         "drop the flag (host memory and disk retention work without it)")
     section = config.prefix_cache if config is not None else None
     directory = config.paths.prefix_cache if config is not None else None
     where = f" in {config.path}" if config is not None else ""

@@ -45,10 +45,10 @@ class HostIndex:
     def touch(self, key: bytes) -> None:
         self._entries.move_to_end(key)
 
-    def add(self, key: bytes, ready: bool = True, origin: str = "host") -> HostEntry | None:
+    def add(self, key: bytes, ready: bool = True, origin: str = "host", spare: bool = False) -> HostEntry | None:
         """A slot for `key`'s content (the least recently used unpinned entry gives up its slot when none
-        is free); None when every slot is pinned."""
-        slot = self._take_slot()
+        is free; with `spare`, only one held below the host as well); None when there is none to give."""
+        slot = self._take_slot(spare)
         if slot is None:
             return None
         entry = self._entries[key] = HostEntry(slot, ready, origin)
@@ -82,11 +82,11 @@ class HostIndex:
             problems.append(f"{self.num_slots - len(slots) - len(self._free)} host slots are neither free nor held")
         return problems
 
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, spare: bool = False) -> int | None:
         if self._free:
             return heapq.heappop(self._free)
         for key, entry in self._entries.items():        # least recently used first
-            if entry.pins == 0 and entry.ready:
+            if entry.pins == 0 and entry.ready and (not spare or entry.stored or entry.published):
                 del self._entries[key]
                 self.num_evicted += 1
                 self.num_evicted_unstored += not entry.stored

@@ -26,7 +26,7 @@ from flare.engine.step import PageCopy, PageLoad, PageTransfers, StoredPage, Tra
 
 WRITES_IN_FLIGHT = 64           # disk and pool writes under way at once (each one page)
 RETENTION_WAIT_S = 0.005        # with nothing else to run, a core step waits this long for the runner's news
-POOL_READ_PAGES = 4096          # most pages one request asks the pool for
+POOL_READ_PAGES = 1024          # most pages one request asks the pool for
 
 
 @dataclass
@@ -210,8 +210,18 @@ class PrefixTiers:
         return resumed, loaded
 
     @property
-    def waiting_for_news(self) -> bool:
-        return bool(self._tickets)
+    def has_orders(self) -> bool:
+        """Whether the next plan would carry transfers (a plan of them alone is worth launching)."""
+        return bool(self._saves or self._loads or self._reads or self._pool_reads or self._discards
+                    or (self._unwritten and self._writes_in_flight < WRITES_IN_FLIGHT))
+
+    @property
+    def busy(self) -> bool:
+        """Orders to send, or sent ones the runner has not reported done."""
+        return self.has_orders or bool(self._tickets)
+
+    def reset_counters(self) -> None:
+        self._count = dict.fromkeys(self._count, 0)
 
     def stats(self, page_size: int) -> dict:
         """The tiers' fields of EngineStats (flare.engine.stats), pages turned into tokens and bytes."""
@@ -283,7 +293,8 @@ class PrefixTiers:
             disk_keys.append(key)
         else:
             for key in from_pool:
-                if key in self.host or self.host.add(key, ready=False, origin="pool") is None:
+                # A guess (the pool may not have it): only a free slot, or one whose page is held below too.
+                if key in self.host or self.host.add(key, ready=False, origin="pool", spare=True) is None:
                     break
                 pool_keys.append(key)
         for keys, kind, orders in ((disk_keys, "read", self._reads), (pool_keys, "pool_read", self._pool_reads)):
