@@ -9,6 +9,7 @@ import pytest
 
 from flare.config import load_config
 from flare.engine.retention.pool_address import PoolAddress, check_pool_ca, parse_pool_address
+from flare.engine.stats import EngineStats
 from flare.errors import CapacityError, UsageError
 from flare.memory import DeviceMemory
 from flare.server import retention_settings
@@ -46,6 +47,11 @@ def test_memory_and_a_directory_make_the_host_and_disk_tiers(tmp_path):
     assert abs(disk.limit_bytes - free // 10) < free // 1000      # the default: 10% of the free space
     report = "\n".join(retention_lines(settings))
     assert "4.0 GiB of host memory" in report and str(directory) in report and "staged" in report
+    found = EngineStats(0, 0, 0, 100, 0, retained_host_slots=2048, retained_disk_pages=1500,
+                        retained_disk_bytes=3 << 30)
+    report = "\n".join(retention_lines(settings, found))
+    assert "4.0 GiB of host memory (2,048 pages)" in report
+    assert "the disk holds 1,500 pages (3.0 GiB) from earlier runs" in report
 
 
 @pytest.mark.parametrize("text,named", [

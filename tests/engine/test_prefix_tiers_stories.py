@@ -188,3 +188,25 @@ def test_direct_transport_reads_what_it_wrote(engine, recomputed, tmp_path):
     second = engine(disk_retention(tmp_path, transport="direct"))
     [again] = second.generate([ids], GREEDY)
     assert again.new_token_ids == tokens and second.core.stats().prefix_cache_disk_hit_tokens > 0
+
+
+def test_a_latent_cache_comes_back_from_host_memory_as_it_left(tmp_path, checked):
+    # DeepSeek-V2's latent cache (one row of latent and rotary key per token and layer, page-major): the
+    # restored prefix gives the tokens a GPU prefix hit of the same length gives.
+    from tiny_checkpoints import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint("deepseek_v2", tmp_path / "tiny-deepseek")
+    config = EngineConfig(page_size=4, num_pages=40, max_model_len=128, max_concurrency=2,
+                          prefix_retention=RetentionSettings(host_bytes=1 << 20))
+    llm = checked(LLMEngine.from_checkpoint(checkpoint, config))
+    ids = llm.tokenizer.encode(STORY)
+    llm.generate([ids], GREEDY)
+    [from_the_gpu] = llm.generate([ids], GREEDY)
+    evict(llm, ids)
+    [from_the_host] = llm.generate([ids], GREEDY)
+    full_pages = (len(ids) - 1) // 4 * 4
+    assert from_the_gpu.num_cached_tokens == from_the_host.num_cached_tokens == full_pages
+    assert from_the_host.new_token_ids == from_the_gpu.new_token_ids
+    assert llm.core.stats().prefix_cache_host_hit_tokens == full_pages
+    assert llm.core.runner.store.layout.startswith("float32[4,48]")       # 32 latent + 16 rotary per row
+    llm.core.close(drain=False)

@@ -71,6 +71,7 @@ def test_a_restarted_server_finds_the_states_the_last_one_drained(home, tmp_path
             assert "prefix cache: GPU pages, then 64.0 MiB of host memory" in log
             assert f"then disk: up to 1.0 GiB under {home / 'prefixes'} (staged)" in log
             assert f"shared with other servers through the pool at unix:{socket}" in log
+            assert "the disk holds no pages of this package yet" in log
             answer, saved, measured = serve_and_measure(first, home)
         finally:
             assert first.stop() == 0
@@ -83,6 +84,7 @@ def test_a_restarted_server_finds_the_states_the_last_one_drained(home, tmp_path
 
     second = FlareProcess(home, "stories260k").start()
     try:
+        assert f"the disk holds {folder['pages']:,} pages (" in second.log and "from earlier runs" in second.log
         again = complete(second)
         found = stats(second)
         assert again["choices"][0]["text"] == answer["choices"][0]["text"]

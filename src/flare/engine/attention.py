@@ -12,6 +12,7 @@ is written). `fp8_kv_views` gives the values and the scales as tensors of their 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -258,3 +259,17 @@ def allocate_caches(cfg, num_pages: int, num_window_pages: int, page_size: int, 
 
     spec = cache_spec(cfg, page_size, torch.finfo(dtype).bits // 8)
     return allocate_layer_caches(spec, cfg.num_hidden_layers, num_pages, num_window_pages, dtype, device)
+
+
+def kv_page_views(cfg, caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The caches `allocate_kv_caches(cfg, ...)` made, each as a view whose first dimension is the KV page
+    (no copy): what the prefix cache's tiers move pages through (flare.engine.retention.host_pages). The
+    K/V caches `[2, pages, ...]` are seen through movedim; latent caches are page-major already. A cache
+    format added to allocate_kv_caches says here where its page dimension is; the tiers refuse views whose
+    first dimension is not the allocator's page count."""
+    if getattr(cfg, "v4", None) is not None:
+        raise ValueError("the prefix cache's tiers move K/V and latent caches; a cache of several components "
+                         "(DeepSeek V4's LayerCache) has no page-major view here")
+    if cfg.mla is not None:
+        return list(caches)                             # [pages, page_size, row]
+    return [cache.movedim(1, 0) for cache in caches]

@@ -81,17 +81,20 @@ class ModelRunner:
                 self.graphs = self._build_graphs(capture)
             if self.proposer is None or not self.proposer.reads_target_hidden_states:
                 self.prompt_graphs = self._build_prompt_graphs(capture)
-        self.store = self._retention_store()
+        self.store = self._retention_store(model_config)
 
-    def _retention_store(self):
+    def _retention_store(self, model_config):
         """The host (and disk, pool) tiers of the prefix cache, over every cache on the pages: the target's
         and a learned draft's (flare.engine.retention.page_store); None when the engine retains nothing."""
         if not self.config.prefix_retention.enabled:
             return None
+        from flare.engine.attention import kv_page_views
         from flare.engine.retention.page_store import RetainedPages
 
-        caches = list(self.kv_caches) + list(getattr(self.proposer, "kv_caches", None) or ())
-        return RetainedPages(caches, self.config.prefix_retention)
+        views = kv_page_views(model_config, self.kv_caches)
+        if getattr(self.proposer, "kv_caches", None):
+            views += kv_page_views(self.proposer.cache_config, self.proposer.kv_caches)
+        return RetainedPages(views, self.config.num_pages + 1, self.config.prefix_retention)
 
     def retained_geometry(self) -> RetainedGeometry | None:
         """What the runner keeps below the GPU, with the disk's page files listed now

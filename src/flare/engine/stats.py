@@ -55,6 +55,7 @@ class EngineStats:
     retained_host_pages: int = 0
     retained_host_slots: int = 0
     retained_disk_pages: int = 0
+    retained_disk_bytes: int = 0            # gauge: what those page files take on disk
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,7 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
             listener.listen()
             stage.note(listener.url)
         report = startup_lines() + startup_report(model, settings, pool, engine_config, listener.url, device,
-                                                  cadence.note)
+                                                  cadence.note, engine.stats())
         for line in report:
             print(line, file=stream, flush=True)
         dashboard = Dashboard.for_stream(stream, names[0], listener.url)   # None when redirected
@@ -171,7 +171,9 @@ def serve(model: ServedModel, listener_options: ListenerOptions, config: Any, st
 
 
 def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, engine_config: Any,
-                   url: str, device: str, cadence: str | None = None) -> list[str]:
+                   url: str, device: str, cadence: str | None = None, stats: Any = None) -> list[str]:
+    """The lines `flare run` prints once it serves; `stats` (the engine's EngineStats at start) says what
+    the prefix cache's tiers below the GPU hold."""
     names = ", ".join(settings.served_names)
     limit = engine_config.kv_pool_limited_by          # memory | context | concurrency
     if device != "cuda" and limit != "memory":
@@ -189,7 +191,7 @@ def startup_report(model: ServedModel, settings: ServerSettings, pool: KVPool, e
         f"tokens, prefill chunk {engine_config.prefill_chunk:,}",
         *([f"  cadence: {cadence}"] if cadence else []),
         f"  {speculation_line(engine_config.speculation)}",
-        *retention_lines(engine_config.prefix_retention),
+        *retention_lines(engine_config.prefix_retention, stats),
     ]
 
 

@@ -63,19 +63,25 @@ def serving_retention(config: Any, identity: str, pool: PoolFlags = PoolFlags())
     return RetentionSettings(host_bytes=memory, identity=identity, disk=disk, pool=shared)
 
 
-def retention_lines(settings: RetentionSettings, host_slots: int | None = None) -> list[str]:
-    """The start-up report's account of where retained prefix states live."""
+def retention_lines(settings: RetentionSettings, stats=None) -> list[str]:
+    """The start-up report's account of where retained prefix states live and how much they hold; `stats`
+    (the engine's EngineStats at start) adds the host tier's pages and what the disk kept from earlier runs."""
     from flare.ui.progress import format_bytes
 
     if not settings.enabled:
         return ["  prefix cache: GPU pages only ([prefix_cache] memory keeps evicted prefixes in host memory)"]
+    slots = stats.retained_host_slots if stats is not None else 0
     lines = [f"  prefix cache: GPU pages, then {format_bytes(settings.host_bytes)} of host memory"
-             + (f" ({host_slots:,} pages)" if host_slots else "")]
+             + (f" ({slots:,} pages)" if slots else "")]
     disk = settings.disk
     if disk is not None:
         drain = f"; a clean stop writes the host tier down for up to {disk.drain_s:g} s" if disk.drain_s else ""
         lines.append(f"    then disk: up to {format_bytes(disk.limit_bytes)} under {disk.directory} "
                      f"({disk.transport}){drain}")
+        if stats is not None:
+            lines.append(f"    the disk holds {stats.retained_disk_pages:,} pages "
+                         f"({format_bytes(stats.retained_disk_bytes)}) from earlier runs" if stats.retained_disk_pages
+                         else "    the disk holds no pages of this package yet")
     if settings.pool is not None:
         lines.append(f"    shared with other servers through the pool at {settings.pool.address}")
     return lines

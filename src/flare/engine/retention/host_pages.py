@@ -1,8 +1,9 @@
 """The host tier's bytes and the copies between them and the GPU pages (runner side).
 
-Generic over the caches: any list of tensors whose dimension `page_dim` indexes the KV pages (the
-target's `[2, pages, page_size, heads, head_dim]`, an FP8 cache's uint8 rows, a draft model's caches on
-the same pages, a latent cache of another shape). A host slot holds one page of every tensor; the host
+Generic over the caches: any list of page-major views, `[pages, *page shape]` of any dtype, whose first
+dimension is the GPU page id (the target's `[2, pages, page_size, heads, head_dim]` seen through
+`flare.engine.attention.kv_page_views`, an FP8 cache's uint8 rows, a draft model's caches on the same
+pages, a latent cache of another shape). A host slot holds one page of every tensor; the host
 memory is one flat buffer, laid out tensor by tensor (`[slots, *page shape]` each), so a run of
 consecutive slots is one contiguous block per tensor and moves with one copy. On CUDA the buffer is
 page-locked in place (`cudaHostRegister`: torch's pinned allocator rounds a request up to a power of two)
@@ -20,37 +21,47 @@ import torch
 from flare.engine.step import PageCopy
 
 STAGING_BYTES = 64 << 20        # device memory one copy moves through (counted where memory is estimated)
+BLOCK_ALIGN = 64                # bytes: where each cache tensor's block of the host buffer starts
 
 
-def page_layout(caches: Sequence[torch.Tensor], page_dim: int = 1) -> str:
-    """A text naming the caches' page format (dtype and page shape of each tensor): retained pages are
-    kept under it, so a cache of another format never reads them."""
-    parts = []
-    for cache in caches:
-        shape = list(cache.shape)
-        del shape[page_dim]
-        parts.append(f"{str(cache.dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]")
-    return ";".join(parts)
+def page_layout(pages: Sequence[torch.Tensor]) -> str:
+    """A text naming the page format of these page-major views (dtype and page shape of each): retained
+    pages are kept under it, so a cache of another format never reads them."""
+    return ";".join(f"{str(view.dtype).removeprefix('torch.')}[{','.join(map(str, view.shape[1:]))}]"
+                    for view in pages)
 
 
-def page_bytes(caches: Sequence[torch.Tensor], page_dim: int = 1) -> int:
-    """Bytes of one page across every cache tensor (one host slot)."""
-    return sum(cache.numel() // cache.shape[page_dim] * cache.element_size() for cache in caches)
+def page_bytes(pages: Sequence[torch.Tensor]) -> int:
+    """Bytes of one page across every page-major view (one host slot)."""
+    return sum(view[0].numel() * view.element_size() for view in pages)
+
+
+def check_page_views(pages: Sequence[torch.Tensor], num_pages: int) -> None:
+    """Every view must be indexed by the allocator's `num_pages` page ids on its first dimension (a view
+    that is not, of a cache format whose page dimension is elsewhere, would copy the wrong bytes)."""
+    if not pages:
+        raise ValueError("the prefix cache's host tier needs at least one cache tensor")
+    for index, view in enumerate(pages):
+        if view.shape[0] != num_pages:
+            raise ValueError(f"cache tensor {index} ({view.dtype}, {list(view.shape)}) is seen with "
+                             f"{view.shape[0]} pages on its first dimension, the allocator has {num_pages}: "
+                             "give page-major views of the cache (flare.engine.attention.kv_page_views)")
 
 
 class HostPages:
-    def __init__(self, caches: Sequence[torch.Tensor], num_slots: int, page_dim: int = 1) -> None:
-        self.views = [cache.movedim(page_dim, 0) for cache in caches]          # [pages, *page shape] each
+    def __init__(self, pages: Sequence[torch.Tensor], num_slots: int) -> None:
+        self.views = list(pages)                                            # [pages, *page shape] each
         self.device = self.views[0].device
         self.num_slots = num_slots
-        self.slot_bytes = page_bytes(caches, page_dim)
-        self.buffer = torch.empty(num_slots * self.slot_bytes, dtype=torch.uint8)
-        self.slots: list[torch.Tensor] = []                                 # [slots, *page shape] per tensor
-        offset = 0
-        for view in self.views:
-            size = num_slots * view[0].numel() * view.element_size()
-            self.slots.append(self.buffer[offset:offset + size].view(view.dtype).view(num_slots, *view.shape[1:]))
-            offset += size
+        self.slot_bytes = page_bytes(self.views)
+        sizes = [num_slots * view[0].numel() * view.element_size() for view in self.views]
+        starts = [0]
+        for size in sizes[:-1]:                     # each tensor's block aligned for any element type
+            starts.append(starts[-1] + -(-size // BLOCK_ALIGN) * BLOCK_ALIGN)
+        self.buffer = torch.empty(starts[-1] + sizes[-1], dtype=torch.uint8)
+        self.slots: list[torch.Tensor] = [                                  # [slots, *page shape] per tensor
+            self.buffer[start:start + size].view(view.dtype).view(num_slots, *view.shape[1:])
+            for view, start, size in zip(self.views, starts, sizes)]
         self.on_cuda = self.device.type == "cuda"
         self.stream = self.staging = None
         if self.on_cuda:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from flare.engine.retention.disk_store import DiskStore, RetainedFileError
-from flare.engine.retention.host_pages import HostPages, page_bytes, page_layout
+from flare.engine.retention.host_pages import BLOCK_ALIGN, HostPages, check_page_views, page_bytes, page_layout
 from flare.engine.retention.settings import RetentionSettings
 from flare.engine.step import PageTransfers, StoredPage, TransferNews
 
@@ -32,16 +32,18 @@ def print_note(text: str) -> None:
 
 
 class RetainedPages:
-    def __init__(self, caches: Sequence[torch.Tensor], settings: RetentionSettings, page_dim: int = 1,
+    def __init__(self, pages: Sequence[torch.Tensor], num_pages: int, settings: RetentionSettings,
                  note=print_note) -> None:
+        """`pages`: page-major views of every cache tensor on the GPU's KV pages (`num_pages` of them)."""
         self.note = note
-        slot_bytes = page_bytes(caches, page_dim)
-        slots = settings.host_bytes // slot_bytes
+        check_page_views(pages, num_pages)
+        slot_bytes = page_bytes(pages)
+        slots = (settings.host_bytes - BLOCK_ALIGN * len(pages)) // slot_bytes     # within the budget, padding too
         if slots < 1:
             raise ValueError(f"[prefix_cache] memory ({settings.host_bytes:,} bytes) holds no page of "
                              f"{slot_bytes:,} bytes")
-        self.layout = page_layout(caches, page_dim)
-        self.host = HostPages(caches, slots, page_dim)
+        self.layout = page_layout(pages)
+        self.host = HostPages(pages, slots)
         self.disk = self.pool = None
         if settings.disk is not None:
             self.disk = DiskStore(Path(settings.disk.directory), settings.identity, self.layout, slot_bytes,

@@ -237,7 +237,8 @@ class PrefixTiers:
                     retained_bytes_pool_to_host=counts.pool_read_pages * page_bytes,
                     retained_read_failures=counts.failed_reads, retained_write_failures=counts.failed_writes,
                     retained_host_pages=counts.host_resident_pages, retained_host_slots=self.host.num_slots,
-                    retained_disk_pages=counts.disk_resident_pages)
+                    retained_disk_pages=counts.disk_resident_pages,
+                    retained_disk_bytes=self.disk.used_bytes if self.disk is not None else 0)
 
     def counters(self) -> RetentionCounters:
         return RetentionCounters(**{**self._count, "host_resident_pages": len(self.host),

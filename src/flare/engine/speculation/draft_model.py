@@ -54,6 +54,7 @@ class DraftModelProposer:
         self.model = model
         self.config = model_config
         self.page_size = page_size
+        self.cache_config = model_config            # what kv_caches were allocated from (their format)
         self.kv_caches = allocate_kv_caches(model_config, num_pages + 1, page_size, dtype, device)
         self.previous = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
 

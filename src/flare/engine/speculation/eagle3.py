@@ -41,6 +41,7 @@ class Eagle3Proposer:
         target_layers = len(target_model.model.layers)
         target_model.model.aux_layers = head.cfg.aux_layers(target_layers)
         self.page_size = page_size
+        self.cache_config = head.cfg.layer          # what kv_caches were allocated from (their format)
         self.kv_caches = allocate_kv_caches(head.cfg.layer, num_pages + 1, page_size, dtype, device)[:1]
         self.carry = torch.zeros(max_slots + 1, head.cfg.layer.hidden_size, dtype=dtype, device=device)
 
