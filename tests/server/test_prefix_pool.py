@@ -67,6 +67,47 @@ def test_servers_of_one_package_share_pages_and_no_other_package_sees_them(tmp_p
         assert all("sharing retained states" in note for note in notes)
 
 
+def test_an_answer_carries_at_most_its_bound_of_pages():
+    store = PageStore(memory_bytes=100)
+    store.put("s", [(b"a", b"x" * 10), (b"b", b"y" * 10), (b"c", b"z" * 10)], "i")
+    assert [payload is not None for _, payload in store.get("s", [b"a", b"b", b"c"], limit_bytes=25)] == [True, True, False]
+
+
+def test_the_manager_reads_no_body_past_its_bound_and_refuses_what_is_not_a_pool_message(tmp_path, monkeypatch):
+    import httpx
+
+    from flare.server import prefix_pool
+
+    monkeypatch.setattr(prefix_pool, "MAX_BODY_BYTES", 1024)
+    with Manager(f"unix:{tmp_path / 'pool.sock'}"):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(tmp_path / "pool.sock")), base_url="http://pool") as http:
+            assert http.post("/v1/pool/put", content=bytes(2048)).status_code == 413
+            assert http.post("/v1/pool/get", content=b"not msgpack").status_code == 400
+
+
+def test_a_manager_that_is_not_there_yet_or_any_more_is_asked_again(tmp_path, monkeypatch):
+    from flare.engine.retention import pool_client
+
+    monkeypatch.setattr(pool_client, "RETRY_S", 0.0)         # asked again at once
+    socket = f"unix:{tmp_path / 'pool.sock'}"
+    notes = []
+    early = client(socket, notes)
+    assert early.get([(b"k", page(0))]) == set()             # the servers started before their pool
+    assert early.disabled is None and "paused for this server" in notes[-1]
+    with Manager(socket):
+        early.put([(b"k", page(9))])
+        assert early.get([(b"k", page(0))]) == {b"k"}
+    assert early.get([(b"k", page(0))]) == set()             # the manager stopped
+    with Manager(socket):                                     # and came back, empty
+        assert early.get([(b"k", page(0))]) == set() and early.disabled is None
+        early.put([(b"k", page(9))])
+        assert early.get([(b"k", page(0))]) == {b"k"}
+    paused = [note for note in notes if "paused" in note]
+    shared = [note for note in notes if note.startswith("sharing retained states through the pool 'test-pool'")]
+    assert len(paused) == 2 and len(shared) == 2
+    assert not shared[0].endswith(" again") and shared[1].endswith(" again")
+
+
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory):
     """A CA and a certificate for 127.0.0.1 it signed (PEM files)."""

@@ -2,8 +2,10 @@
 prefix states their host tiers hold and fetch those the others offered (spec §3.4, --prefix-cache-pool).
 
 A Starlette app on uvicorn, on one Unix socket and at most one TCP listener (plain, or TLS with the
-certificate and key given). The store is bounded: `--memory` bytes of pages, the least recently used given
-up first; a request body is read only up to `pool_wire.MAX_BODY_BYTES`. The manager's `--name` salts the
+certificate and key given). Its memory is bounded: `--memory` bytes of pages in the store, the least
+recently used given up first; a request body is read only up to `pool_wire.MAX_BODY_BYTES`, at most
+BODIES_AT_ONCE of them at a time (the others wait unread), and an answer carries at most
+`pool_wire.MAX_BATCH_BYTES` of pages (the rest answered as absent). The manager's `--name` salts the
 scopes, so two pools' clients never share a page by accident. The hello (`GET /v1/pool`) declares what the
 TCP listener speaks; Unix-socket clients trust the socket's file permissions (created 0600).
 """
@@ -27,11 +29,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from flare.engine.retention.pool_address import PoolAddress, parse_pool_address
-from flare.engine.retention.pool_wire import (MAX_BODY_BYTES, PageBatch, PageQuery, PoolHello, decode, encode,
-                                              pool_salt)
+from flare.engine.retention.pool_wire import (MAX_BATCH_BYTES, MAX_BODY_BYTES, PageBatch, PageQuery, PoolHello,
+                                              decode, encode, pool_salt)
 from flare.errors import UsageError
 
 MSGPACK = "application/msgpack"
+BODIES_AT_ONCE = 8              # requests whose bodies are read and handled at one time
 
 
 class PageStore:
@@ -44,13 +47,17 @@ class PageStore:
         self._lock = threading.Lock()
         self.offered: dict[str, int] = {}               # instance -> pages it offered
 
-    def get(self, scope: str, keys) -> tuple[tuple[bytes, bytes | None], ...]:
+    def get(self, scope: str, keys, limit_bytes: int = MAX_BATCH_BYTES) -> tuple[tuple[bytes, bytes | None], ...]:
+        """The pages of `keys` (None where there is none), at most `limit_bytes` of them: the rest None."""
         with self._lock:
-            found = []
+            found, size = [], 0
             for key in keys:
                 payload = self._pages.get((scope, key))
+                if payload is not None and size + len(payload) > limit_bytes:
+                    payload = None
                 if payload is not None:
                     self._pages.move_to_end((scope, key))
+                    size += len(payload)
                 found.append((key, payload))
             return tuple(found)
 
@@ -104,14 +111,18 @@ def pool_app(options: PoolOptions, store: PageStore) -> Starlette:
     async def who(request: Request) -> Response:
         return Response(hello, media_type=MSGPACK)
 
+    bodies = asyncio.Semaphore(BODIES_AT_ONCE)    # (made per app: uvicorn runs it on one event loop)
+
     async def get(request: Request) -> Response:
-        query = decode(await _body(request), PageQuery)
-        return Response(encode(PageBatch(query.scope, store.get(query.scope, query.keys))), media_type=MSGPACK)
+        async with bodies:
+            query = decode(await _body(request), PageQuery)
+            return Response(encode(PageBatch(query.scope, store.get(query.scope, query.keys))), media_type=MSGPACK)
 
     async def put(request: Request) -> Response:
-        batch = decode(await _body(request), PageBatch)
-        store.put(batch.scope, batch.pages, batch.instance)
-        return Response(status_code=204)
+        async with bodies:
+            batch = decode(await _body(request), PageBatch)
+            store.put(batch.scope, batch.pages, batch.instance)
+            return Response(status_code=204)
 
     async def too_large(request: Request, error: Exception) -> Response:
         return Response(f"a request body carries at most {MAX_BODY_BYTES:,} bytes", status_code=413)
