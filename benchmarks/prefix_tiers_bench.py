@@ -4,9 +4,10 @@
 Three modes, each writing JSON:
 
 * `evicted`: per repetition, a fresh random prefix (`--prefix-tokens`, 32,000 by default) plus a short
-  suffix is sent (it misses every cache: the recomputing TTFT); then unrelated prompts of
-  `--evict-tokens` in all push it out of the GPU's KV pages; then the same prefix with another suffix (its
-  TTFT is the tier's). The server's /v1/engine/stats before and after say which tier served it.
+  suffix is sent (it misses every cache: the recomputing TTFT); the same prefix with another suffix at
+  once (still in the GPU's pages: the GPU tier's TTFT); then unrelated prompts of `--evict-tokens` in all
+  push it out of the GPU's KV pages; then the prefix with a third suffix (its TTFT is the tier's). The
+  server's /v1/engine/stats before and after each say which tier served it.
 * `prime`: the first half of `evicted` (the prefixes and their recomputing TTFTs go to `--state`), for a
   server that is restarted before `repeat`;
 * `repeat`: the prefixes of `--state` again, with other suffixes (after a restart: from disk).
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
             prefix = tokens(args.prefix_tokens)
             sample = {"prefix": prefix, **timed(client, args.model, prefix + tokens(args.suffix_tokens), "recompute")}
             if args.mode == "evicted":
+                sample.update(timed(client, args.model, prefix + tokens(args.suffix_tokens), "gpu"))
                 evict(client, args.model, tokens, args.evict_tokens, args.prefix_tokens)
                 sample.update(timed(client, args.model, prefix + tokens(args.suffix_tokens), "tier"))
             samples.append(sample)
@@ -113,6 +115,8 @@ def evict(client: httpx.Client, model: str, tokens, evict_tokens: int, chunk: in
 
 def brief(sample: dict) -> str:
     text = f"recompute {sample['recompute_ttft_ms']:.0f} ms"
+    if "gpu_ttft_ms" in sample:
+        text += f", from the GPU {sample['gpu_ttft_ms']:.0f} ms"
     if "tier_ttft_ms" in sample:
         text += (f", repeated {sample['tier_ttft_ms']:.0f} ms (GPU hit "
                  f"{sample['tier_prefix_cache_hit_tokens'] - tier_hits(sample):,}, host "
@@ -128,6 +132,10 @@ def summarize(args, samples: list[dict]) -> dict:
     result = {"mode": args.mode, "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
               "evict_tokens": args.evict_tokens if args.mode == "evicted" else None,
               "recompute_ttft_ms": statistics.median(s["recompute_ttft_ms"] for s in samples)}
+    if all("gpu_ttft_ms" in s for s in samples):
+        gpu = statistics.median(s["gpu_ttft_ms"] for s in samples)
+        result.update(gpu_ttft_ms=gpu, gpu_ratio=round(gpu / result["recompute_ttft_ms"], 3),
+                      gpu_repeat_hit_tokens=[s["gpu_prefix_cache_hit_tokens"] for s in samples])
     if all("tier_ttft_ms" in s for s in samples):
         tier = statistics.median(s["tier_ttft_ms"] for s in samples)
         result.update(tier_ttft_ms=tier, ratio=round(tier / result["recompute_ttft_ms"], 3),

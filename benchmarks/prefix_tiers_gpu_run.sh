@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The prefix cache's tiers below the GPU, measured through the HTTP API (issue rows, H200, llama-8b):
 #   host     a 32K-token prefix pushed out of the GPU's pages, then repeated: TTFT from host memory over the
-#            TTFT of recomputing it (target <= 0.2)
+#            TTFT of recomputing it (target <= 0.2); the same prefix repeated before it is pushed out gives
+#            the GPU tier's TTFT (gpu_ttft_ms)
 #   disk     the same prefix after a restart of the server (drained to disk at the stop): TTFT from disk over
 #            recomputing (target <= 0.4); `disk-direct` repeats it with disk_transport = "direct"
+#   spill    (not in the default) no restart: a host tier of SPILL_MEMORY (8G) too small for the traffic that
+#            pushes the prefix out, so it is served from the disk pages written behind the host tier
 #   tpot     decode TPOT at concurrency 16 (1000 in / 256 out) with the host tier on, where every finished
 #            request's pages stream to the host, against the tier off (target: within 3%)
 # Writes a random-weight checkpoint, exports it (--max-concurrency MAX_CONCURRENCY, default 16), serves the
@@ -12,9 +15,9 @@
 #   bash benchmarks/prefix_tiers_gpu_run.sh [SHAPE] [PHASE...]     # default: llama-8b tpot host disk
 #
 # Environment: PY, OUT (default /tmp/flare-prefix-tiers), WORK (default /tmp/flare-work), PORT, HOST_MEMORY
-# (the host tier, default 48G), PREFIX_TOKENS (32000), EVICT_TOKENS (160000: more than the GPU pool of
-# --kv-cache-limit context holds), REPETITIONS (3), MAX_CONCURRENCY (16), WHEELS (carried wheels, default .whl:
-# xxhash is needed, for the disk tier's checksums).
+# (the host tier, default 48G), SPILL_MEMORY (the spill phase's, 8G), PREFIX_TOKENS (32000), EVICT_TOKENS
+# (160000: more than the GPU pool of --kv-cache-limit context holds), REPETITIONS (3), MAX_CONCURRENCY (16),
+# WHEELS (carried wheels, default .whl: xxhash is needed, for the disk tier's checksums).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
@@ -26,6 +29,7 @@ SHAPE=${1:-llama-8b}
 shift || true
 PHASES=${*:-tpot host disk}
 HOST_MEMORY=${HOST_MEMORY:-48G}
+SPILL_MEMORY=${SPILL_MEMORY:-8G}
 PREFIX_TOKENS=${PREFIX_TOKENS:-32000}
 EVICT_TOKENS=${EVICT_TOKENS:-160000}
 REPETITIONS=${REPETITIONS:-3}
@@ -114,13 +118,18 @@ for phase in $PHASES; do
       transport=staged; [ "$phase" = disk-direct ] && transport=direct
       log "32K prefix from disk after a restart ($transport)"
       rm -rf "$PREFIXES"
-      configure "[prefix_cache]" "memory = \"$HOST_MEMORY\"" "drain_on_shutdown = \"30s\"" \
+      configure "[prefix_cache]" "memory = \"$HOST_MEMORY\"" "drain_on_shutdown = \"45s\"" \
         "disk_transport = \"$transport\"" "[paths]" "prefix_cache = \"$PREFIXES\""
       start_server "$phase-first" --kv-cache-limit context && tiers prime "$phase-prime" --state "$WORK/$phase.state"
       stop_server
       du -sh "$PREFIXES" | tee -a "$OUT/phases.txt"
       start_server "$phase-restart" --kv-cache-limit context && tiers repeat "$phase" --state "$WORK/$phase.state"
       stop_server ;;
+    spill)
+      log "32K prefix from disk behind a $SPILL_MEMORY host tier, no restart"
+      rm -rf "$PREFIXES"
+      configure "[prefix_cache]" "memory = \"$SPILL_MEMORY\"" "[paths]" "prefix_cache = \"$PREFIXES\""
+      start_server spill --kv-cache-limit context && tiers evicted spill; stop_server ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
@@ -131,11 +140,15 @@ from pathlib import Path
 out = Path(sys.argv[1])
 read = lambda name: json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else None
 summary = {}
-for name in ("host", "disk", "disk-direct"):
+for name in ("host", "disk", "disk-direct", "spill"):
     found = read(name)
     if found:
-        summary[name] = {k: found.get(k) for k in ("recompute_ttft_ms", "tier_ttft_ms", "ratio", "host_hit_tokens",
-                                                   "disk_hit_tokens", "gpu_hit_tokens")}
+        summary[name] = {k: found.get(k) for k in ("recompute_ttft_ms", "gpu_ttft_ms", "gpu_ratio", "tier_ttft_ms",
+                                                   "ratio", "host_hit_tokens", "disk_hit_tokens", "gpu_hit_tokens")}
+    log = out / f"{name}-restart.log" if name.startswith("disk") else out / f"{name}.log"
+    if found and log.exists():   # the start-up report's account of the tiers
+        summary[name]["startup_report"] = [line.strip() for line in log.read_text().splitlines()
+                                           if "prefix cache" in line or "then disk" in line or "disk holds" in line]
 off, on = read("tpot-off"), read("tpot-on")
 if off and on:
     tpot = lambda result: result["levels"][0]["tpot_ms"]["p50"]

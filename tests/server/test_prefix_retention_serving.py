@@ -39,7 +39,7 @@ def stats(server) -> dict:
 
 def bench(server, home) -> dict:
     """benchmarks/prefix_tiers_bench.py's `evicted` mode: a 300-token prefix, pushed out of the 2,048-token
-    GPU pool by 2,400 others, then repeated."""
+    GPU pool by 2,400 others, then repeated (and repeated once before that, from the GPU)."""
     import sys
 
     from tests.server.conftest import REPO_ROOT
@@ -76,6 +76,7 @@ def test_a_restarted_server_finds_the_states_the_last_one_drained(home, tmp_path
         finally:
             assert first.stop() == 0
         assert "sharing retained states through the pool 'test-pool'" in first.log
+    assert measured["gpu_repeat_hit_tokens"] == [288]                 # repeated at once: from the GPU
     assert measured["host_hit_tokens"] == [288] and measured["gpu_hit_tokens"] == [0]
     retained = inspect(home)
     assert retained["host_memory_bytes"] == 64 << 20 and retained["disk_directory"] == str(home / "prefixes")
