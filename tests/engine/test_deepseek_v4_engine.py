@@ -1,5 +1,6 @@
 """DeepSeek V4 through the engine: greedy tokens equal transformers.generate for eight requests at once, in
-small chunks, after preemptions, and from the prefix cache, over tokens and window pages."""
+small chunks, after preemptions, from the prefix cache, and through the decode graphs' static buffers (run
+eagerly on a CPU), over tokens and window pages."""
 
 from __future__ import annotations
 
@@ -100,3 +101,32 @@ def test_an_engine_configuration_without_window_pages_is_refused(v4):
     directory, _ = v4
     with pytest.raises(UsageError, match="window pages"):
         LLMEngine.from_checkpoint(directory, EngineConfig(page_size=8, num_pages=64, max_model_len=128))
+
+
+@pytest.mark.parametrize("count", [8, 3], ids=["full bucket", "padded bucket"])
+def test_decode_steps_through_the_static_buffers_match_transformers(v4, count, checked):
+    """Decode rows copied into the graphs' static buffers, their window page tables derived there from the
+    slots, padded rows writing only the dummy window page: the same tokens as transformers."""
+    from flare.engine.core import EngineCore
+    from flare.engine.factory import load_checkpoint_model
+    from flare.engine.runner import ModelRunner
+    from flare.frontend.tokenizer import load_tokenizer
+
+    directory, expected = v4
+    config = v4_config(directory, page_size=8, num_pages=128, max_model_len=128)
+    loaded = load_checkpoint_model(directory, config)
+    runner = ModelRunner(loaded.model, loaded.model_config, config, seed=0, graphs=True, capture=False)
+    engine = checked(LLMEngine(EngineCore(config, runner, ()), load_tokenizer(directory)))
+    graphs = runner.graphs
+    assert graphs is not None and graphs.window_page_tables is not None
+    steps = []
+    original = graphs.launch_forward
+
+    def counted(rows):
+        steps.append(rows.shape[1])
+        return original(rows)
+
+    graphs.launch_forward = counted
+    outputs = engine.generate(prompts()[:count], GREEDY)
+    assert [list(o.new_token_ids) for o in outputs] == expected[:count]
+    assert steps.count(count) >= NEW_TOKENS - 2, "the decode steps must run through the static buffers"

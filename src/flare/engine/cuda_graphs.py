@@ -7,7 +7,8 @@ addresses, so a step's rows live in one static buffer sized for the largest batc
 batch slot, position and host token id, copied in with one transfer and padded up to the smallest
 captured size that holds the batch. Everything else is derived inside the graph from the runner's
 persistent slot state (`flare.engine.batch_slots`): the input id (the slot's last sampled id when the
-host has none), the page table rows, each row's K/V slot and context length. Padded rows use the
+host has none), the page table rows (and the window page table rows of a cache with window pages,
+DeepSeek V4's), each row's K/V slot and context length. Padded rows use the
 padding slot, whose table is the dummy page: they read token 0 at position 0, write their K/V into a
 dummy slot that no request owns, and have an empty context; their logits are never read.
 
@@ -32,7 +33,9 @@ other row's mask allows every token (all bits set), so a step without constraint
 would unmasked, and constrained decoding keeps the captured graphs.
 
 On a CPU the same class runs both halves eagerly on the same static buffers (capture=False): the
-padding, the split and the bookkeeping are then testable without a GPU.
+padding, the split and the bookkeeping are then testable without a GPU. DeepSeek V4 is not captured on a
+GPU (`runs_triton_attention` is false for it): the entries its step closes and its experts' dispatch take
+their shapes from the batch's data.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class DecodeGraphs:
         self.sizes = tuple(sizes)
         self.page_size, self.max_seq_len = page_size, max_seq_len
         self.capture = capture
-        device = kv_caches[0].device
+        device = slots.page_tables.device
         largest = self.sizes[-1]
         self.rows = torch.zeros(3, largest, dtype=torch.int64, device=device)      # slot, position, host id
         self.rows[0] = slots.padding_row
@@ -104,6 +107,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.zeros(largest, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.page_tables = torch.zeros(largest, slots.max_pages, dtype=torch.int32, device=device)
+        self.window_page_tables = (None if slots.window_page_tables is None else
+                                   torch.zeros(largest, slots.max_pages, dtype=torch.int32, device=device))
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         words = -(-slots.sampler.vocab_size // 32) if slots.sampler is not None else 1
         self.bitmask = torch.full((largest, words), -1, dtype=torch.int32, device=device)
@@ -129,10 +134,11 @@ class DecodeGraphs:
         """The AttentionMetadata of a `size`-row step: views of the static buffers."""
         from flare.engine.attention import AttentionMetadata
 
+        window = None if self.window_page_tables is None else self.window_page_tables[:size]
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             page_tables=self.page_tables[:size], slot_mapping=self.slot_mapping[:size],
-            max_query_len=1, max_seq_len=self.max_seq_len, page_size=self.page_size)
+            max_query_len=1, max_seq_len=self.max_seq_len, page_size=self.page_size, window_page_tables=window)
 
     def _derive(self, size: int) -> None:
         """Input ids, page tables, K/V slots and context lengths of the rows, from the slots' state."""
@@ -141,6 +147,8 @@ class DecodeGraphs:
         self.input_ids[:size].copy_(torch.where(host_ids == FROM_LAST_SAMPLED, sampled, host_ids))
         tables = self.page_tables[:size]
         torch.index_select(self.slots.page_tables, 0, slots, out=tables)
+        if self.window_page_tables is not None:
+            torch.index_select(self.slots.window_page_tables, 0, slots, out=self.window_page_tables[:size])
         pages = tables.gather(1, (positions // self.page_size)[:, None])[:, 0]
         self.slot_mapping[:size].copy_(pages.to(torch.int64) * self.page_size + positions % self.page_size)
         self.seq_lens[:size].copy_(torch.where(slots == self.slots.padding_row, 0, positions + 1))
