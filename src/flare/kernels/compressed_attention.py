@@ -44,14 +44,14 @@ def _keys(kv_ptr, tables_ptr, seq, index, valid, dims, dim_mask, stride_kp, stri
 
 
 @triton.jit
-def _fold(acc, m, l, q, keys, valid, qk_scale_log2):
-    scores = tl.dot(q, tl.trans(keys)) * qk_scale_log2
+def _fold(acc, m, l, q, keys, valid, qk_scale_log2, PRECISION: tl.constexpr):
+    scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale_log2
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys)
+    acc = acc * alpha[:, None] + tl.dot(p.to(keys.dtype), keys, input_precision=PRECISION)
     return acc, m_new, l
 
 
@@ -65,6 +65,7 @@ def _sparse_attention_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     BLOCK_KEYS: tl.constexpr, WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRY_ROWS: tl.constexpr,
     MODE: tl.constexpr,                     # 0: window only; 1: entry ids (CSA); 2: entry counts (HCA)
+    PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
@@ -85,7 +86,7 @@ def _sparse_attention_kernel(
         valid = index <= position
         keys = _keys(window_ptr, window_tables_ptr, seq, index, valid, dims, dim_mask, stride_wp, stride_ws,
                      stride_wbt, PAGE_SIZE)
-        acc, m, l = _fold(acc, m, l, q, keys, valid, qk_scale_log2)
+        acc, m, l = _fold(acc, m, l, q, keys, valid, qk_scale_log2, PRECISION)
     if MODE != 0:
         count = num_entries
         if MODE == 2:
@@ -100,7 +101,7 @@ def _sparse_attention_kernel(
                 valid = slot < count
             keys = _keys(entries_ptr, page_tables_ptr, seq, index, valid, dims, dim_mask, stride_ep, stride_es,
                          stride_pbt, ENTRY_ROWS)
-            acc, m, l = _fold(acc, m, l, q, keys, valid, qk_scale_log2)
+            acc, m, l = _fold(acc, m, l, q, keys, valid, qk_scale_log2, PRECISION)
 
     sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * 1.4426950408889634
     top = tl.maximum(m, sink)
@@ -108,6 +109,12 @@ def _sparse_attention_kernel(
     out = acc * (tl.exp2(m - top) / total)[:, None]
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :], out.to(q.dtype),
              mask=head_mask[:, None] & dim_mask[None, :])
+
+
+def _precision(query: torch.Tensor) -> str | None:
+    """float32 products in full precision (not TF32): float32 runs are compared token for token with
+    transformers; bf16/fp16 take the dot's default."""
+    return "ieee" if query.dtype == torch.float32 else None
 
 
 def sparse_attention(query: torch.Tensor, window_kv: torch.Tensor, window_tables: torch.Tensor,
@@ -139,7 +146,7 @@ def sparse_attention(query: torch.Tensor, window_kv: torch.Tensor, window_tables
         page_tables.stride(0), ids.stride(0),
         HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_HEADS=BLOCK_H,
         BLOCK_KEYS=BLOCK_N, WINDOW=window, PAGE_SIZE=window_kv.shape[1], ENTRY_ROWS=entries.shape[1], MODE=mode,
-        num_warps=8 if head_dim >= 256 else 4)
+        PRECISION=_precision(query), num_warps=8 if head_dim >= 256 else 4)
     return out
 
 
@@ -148,7 +155,7 @@ def _indexer_scores_kernel(
     q_ptr, weights_ptr, keys_ptr, page_tables_ptr, seq_ptr, visible_ptr, scores_ptr, scale, width,
     stride_qt, stride_qh, stride_wt, stride_kp, stride_ks, stride_bt, stride_st,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0)
     index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -165,7 +172,7 @@ def _indexer_scores_kernel(
         q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                     mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
         weights = tl.load(weights_ptr + token * stride_wt + heads, mask=head_mask, other=0.0)
-        products = tl.maximum(tl.dot(q, tl.trans(keys.to(q.dtype))), 0.0) * scale
+        products = tl.maximum(tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=PRECISION), 0.0) * scale
         total += tl.sum(products * weights[:, None], axis=0)
     tl.store(scores_ptr + token * stride_st + index, tl.where(valid, total, float("-inf")), mask=index < width)
 
@@ -185,7 +192,7 @@ def indexer_scores(query: torch.Tensor, head_weights: torch.Tensor, keys: torch.
         query.stride(0), query.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), page_tables.stride(0),
         scores.stride(0),
         HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_HEADS=BLOCK_H,
-        BLOCK=BLOCK_E, ROWS=keys.shape[1])
+        BLOCK=BLOCK_E, ROWS=keys.shape[1], PRECISION=_precision(query))
     return scores
 
 
