@@ -159,32 +159,35 @@ def open_unverified(target: str | Path, cache_root: Path | None = None) -> Packa
 
 
 def verify_stored_data(files: fmt.PackageFiles, full_hash: bool = False,
-                       on_bytes: Callable[[int], None] | None = None
+                       on_bytes: Callable[[int], None] | None = None,
+                       payloads: tuple[PayloadRecord, ...] | None = None,
                        ) -> tuple[dict[str, bytes], dict[str, GraphCatalog], verify.StoredDataCheck]:
     """What every load checks of a package whose signature verified (sizes, the small payloads' hashes,
     the weight payloads' headers and sampled hashes; with `full_hash` every weight byte): the frontend
-    assets, the graph catalogs, and an account of what was checked."""
+    assets, the graph catalogs, and an account of what was checked. `payloads` narrows the checks to
+    those a copy holds (one rank's, `flare.package.rank_copy`); None: every payload the manifest lists."""
     manifest = files.manifest
-    verify.check_layout(files, manifest.payloads)
-    frontend, catalogs = read_small_payloads(files, manifest)
-    weights = manifest.weight_payloads()
+    payloads = manifest.payloads if payloads is None else payloads
+    verify.check_layout(files, payloads)
+    frontend, catalogs = read_small_payloads(files, payloads)
+    weights = tuple(record for record in payloads if record.kind == "weights")
     sampled_bytes = sum(verify.check_weight_payload(files, record) for record in weights)
     if full_hash:
         verify.verify_payloads(files, weights, on_bytes)
     checked = verify.StoredDataCheck(
-        payloads=len(manifest.payloads), hashed_small=len(manifest.payloads) - len(weights),
+        payloads=len(payloads), hashed_small=len(payloads) - len(weights),
         weight_payloads=len(weights), headers_recorded=sum(r.tensors is not None for r in weights),
         sampled=sum(r.sample is not None for r in weights), sampled_bytes=sampled_bytes,
         weight_bytes=sum(r.size for r in weights), weights_hashed=full_hash)
     return frontend, catalogs, checked
 
 
-def read_small_payloads(files: fmt.PackageFiles, manifest: Manifest
+def read_small_payloads(files: fmt.PackageFiles, payloads: tuple[PayloadRecord, ...]
                         ) -> tuple[dict[str, bytes], dict[str, GraphCatalog]]:
-    """Frontend assets and graph catalogs, from bytes whose hashes were just checked."""
+    """Frontend assets and graph catalogs of `payloads`, from bytes whose hashes were just checked."""
     frontend: dict[str, bytes] = {}
     catalogs: dict[str, GraphCatalog] = {}
-    for record in manifest.payloads_of_kind("frontend", "module-global"):
+    for record in (r for r in payloads if r.kind in ("frontend", "module-global")):
         data = verify.read_verified(files, record)
         tensors, metadata = _decode(data, record.name)
         if record.kind == "frontend":

@@ -267,11 +267,11 @@ def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
     stream = stream or sys.stderr
     show_banner(stream, "loading " + str(options.target))
     stages = StageReporter(stream)
-    download = _download_options(options)
+    download = download_options(options)
     listener = reserve(*listener_address(options.listener, options.config))   # a busy port fails first
     with contextlib.ExitStack() as held:
         held.callback(listener.close)
-        package = _open_package(options, download, stages, stream,
+        package = open_package_in_stages(options, download, stages, stream,
                                 lambda path: held.enter_context(lease_entry(path)))   # the cache it lies in
         held.callback(package.close)
         weight_bytes = sum(r.size for r in package.weight_payloads())
@@ -279,7 +279,7 @@ def run_package(options: RunOptions, stream: TextIO | None = None) -> int:
                      listener)
 
 
-def _download_options(options: RunOptions):
+def download_options(options: RunOptions):
     from flare.package.download import DownloadOptions
 
     if options.download is not None:
@@ -288,7 +288,7 @@ def _download_options(options: RunOptions):
                            model_cache=options.model_cache)
 
 
-def _open_package(options: RunOptions, download: Any, stages: StageReporter, stream: TextIO,
+def open_package_in_stages(options: RunOptions, download: Any, stages: StageReporter, stream: TextIO,
                   hold: Callable[[Path], Any]):
     """The first three loading stages: signature, publisher acceptance, stored data. Holds the entry's
     lease (so `flare models remove` refuses it) from the moment it is found."""

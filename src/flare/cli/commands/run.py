@@ -6,8 +6,9 @@ from pathlib import Path
 
 
 def configure(parser):
-    parser.add_argument("package", metavar="PACKAGE",
-                        help="a package path, or MODEL[@VERSION] from the Flare model cache")
+    parser.add_argument("package", metavar="PACKAGE", nargs="?",
+                        help="a package path, or MODEL[@VERSION] from the Flare model cache (a peer of a "
+                             "multi-host launch needs none: it receives rank zero's)")
     listen = parser.add_argument_group("listener")
     listen.add_argument("--host", metavar="ADDR",
                         help="listener IP address, IPv4 or IPv6 (default: [server] host, otherwise 127.0.0.1)")
@@ -60,8 +61,27 @@ def configure(parser):
     trust.add_argument("--offline", action="store_true",
                        help="skip the online publisher check and any repository lookup")
     trust.add_argument("--model-cache", type=Path, metavar="PATH",
-                       help="Flare prepared-model cache (default: paths.package_cache, otherwise "
-                            "~/.cache/flare/packages)")
+                       help="Flare prepared-model cache; a peer stores its rank's payloads there (default: "
+                            "--package-cache, then paths.package_cache, otherwise ~/.cache/flare/packages)")
+    add_host_arguments(parser)
+
+
+def add_host_arguments(parser) -> None:
+    """The flags of a multi-host launch (spec §2): ranks by hand, or peers through paired agents."""
+    hosts = parser.add_argument_group("several hosts")
+    hosts.add_argument("--rank", type=int, metavar="K",
+                       help="serve rank K of a multi-host package: 0 with PACKAGE on the rendezvous host, 1..N-1 "
+                            "on each peer, without a package")
+    hosts.add_argument("--rendezvous", metavar="HOST:PORT",
+                       help="rank zero's address: where it listens (rank 0; :PORT for every interface) and where "
+                            "peers connect")
+    hosts.add_argument("--transfer-streams", type=int, metavar="N",
+                       help="rank zero: concurrent payload streams per peer, 1-64 (default: 8)")
+    hosts.add_argument("--stage-only", action="store_true",
+                       help="rank zero: distribute and verify the package on every rank, then end them all "
+                            "without loading a model")
+    hosts.add_argument("--package-cache", type=Path, metavar="PATH",
+                       help="the receiving rank's cache when --model-cache is absent (the compatible spelling)")
 
 
 def add_pool_arguments(parser) -> None:
@@ -93,10 +113,73 @@ def add_profiling_arguments(group) -> None:
 
 
 def run(args) -> int:
+    if args.rank is not None or args.rendezvous is not None:
+        return run_rank(args)
+    from flare.errors import UsageError
+
+    for flag, value in (("--stage-only", args.stage_only), ("--transfer-streams", args.transfer_streams)):
+        if value not in (None, False):
+            raise UsageError(f"{flag} applies to rank zero of a multi-host launch: add --rank 0 --rendezvous "
+                             "HOST:PORT")
+    if args.package is None:
+        raise UsageError("flare run needs PACKAGE (a path or MODEL[@VERSION]); only a peer of a multi-host launch "
+                         "(--rank K --rendezvous HOST:PORT) runs without one")
+    return run_local(args)
+
+
+def run_rank(args) -> int:
+    """One rank of a multi-host launch started by hand."""
+    from flare.errors import UsageError
+    from flare.hosts.address import parse_address
+    from flare.package.trust import trust_options_from_args
+    from flare.server.rank_launch import (PeerLaunch, RankOptions, check_transfer_streams, run_peer,
+                                          run_rank_zero)
+
+    if args.rank is None or args.rendezvous is None:
+        given, needed = ("--rank", "--rendezvous") if args.rank is not None else ("--rendezvous", "--rank")
+        raise UsageError(f"{given} needs {needed}: a rank of a multi-host launch is started with both, "
+                         "such as `--rank 1 --rendezvous 10.0.0.5:29800`")
+    if args.rank < 0:
+        raise UsageError(f"--rank {args.rank} is negative; rank zero serves the package, peers are 1..N-1")
+    address = parse_address(args.rendezvous, "--rendezvous", listening=args.rank == 0)
+    if args.rank == 0:
+        if args.package is None:
+            raise UsageError("rank zero needs PACKAGE: it verifies the package and hands every peer its payloads")
+        streams = check_transfer_streams(args.transfer_streams)
+        options = _run_options(args)
+        return run_rank_zero(options, RankOptions(address, streams, args.stage_only))
+    _refuse_rank_zero_flags(args)
+    from flare.config import package_cache
+
+    configuration = _configuration(args)
+    cache = package_cache(args.model_cache or args.package_cache, configuration)
+    return run_peer(PeerLaunch(args.rank, address, cache, trust_options_from_args(args),
+                               Path(args.package) if args.package else None))
+
+
+def _refuse_rank_zero_flags(args) -> None:
+    """Flags only rank zero acts on, named when a peer is given them."""
+    from flare.errors import UsageError
+
+    for flag, value in (("--stage-only", args.stage_only), ("--transfer-streams", args.transfer_streams),
+                        ("--host", args.host), ("--port", args.port), ("--api-key-file", args.api_key_file),
+                        ("--served-model-name", args.served_model_name)):
+        if value not in (None, False):
+            raise UsageError(f"{flag} is rank zero's setting; rank {args.rank} takes it from rank zero. Give it to "
+                             "`flare run PACKAGE --rank 0`, not to a peer")
+
+
+def run_local(args) -> int:
+    from flare.server.launch import run_package
+
+    return run_package(_run_options(args))
+
+
+def _run_options(args):
     from flare.cli.commands.download import download_options_from_args
     from flare.cli.speculation_flags import serving_flags
     from flare.package.trust import trust_options_from_args
-    from flare.server.launch import ListenerOptions, RunOptions, run_package
+    from flare.server.launch import ListenerOptions, RunOptions
 
     from flare.config import MAX_CONCURRENCY, MAX_STEP_MS, PORT, SERVING_MEMORY, check_flag
     from flare.memory import parse_gpus
@@ -119,10 +202,9 @@ def run(args) -> int:
                                profile_startup=args.profile_startup, profile_steps=args.profile_steps,
                                profile_steps_window=window, speculation=serving_flags(args),
                                prefix_cache_pool=pool.address, prefix_cache_pool_ca=pool.ca_file)
-    options = RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
-                         config=args.configuration, model_cache=args.model_cache,
-                         download=download_options_from_args(args))
-    return run_package(options)
+    return RunOptions(target=args.package, trust=trust_options_from_args(args), listener=listener,
+                      config=args.configuration, model_cache=args.model_cache or args.package_cache,
+                      download=download_options_from_args(args))
 
 
 def profile_steps_window(args) -> tuple[int, int] | None:
