@@ -14,8 +14,17 @@ COMMANDS = (
     Command("trust", "manage remembered publisher keys", "flare.cli.commands.trust"),
     Command("prefix-pool", "share retained prefix states between servers of one package",
             "flare.cli.commands.prefix_pool"),
+    Command("agent", "run this host's rank agent, or install, pair or reset it", "flare.cli.commands.agent"),
+    Command("orbit", "drive ranks on paired hosts: pair, run, status, attach, stop, push, ...",
+            "flare.cli.commands.orbit"),
 )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("flare", "Serve prepared models fast.", COMMANDS, argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

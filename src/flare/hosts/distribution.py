@@ -20,6 +20,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from flare.errors import CapacityError
 from flare.hosts.address import Address, connect
@@ -42,18 +43,22 @@ def serve_stream(channel: Channel, files: PackageFiles, allowed: dict[str, Paylo
         if not isinstance(request, Fetch) or request.name not in allowed:
             channel.close()
             return
-        record = allowed[request.name]
-        location = files.locate(record)
-        with open(location.path, "rb") as source:
-            source.seek(location.offset)
-            remaining = record.size
-            while remaining:
-                data = source.read(min(CHUNK_BYTES, remaining))
-                if not data:
-                    break
-                channel.send(Chunk(data))
-                remaining -= len(data)
-        channel.send(Sent(record.name))
+        send_payload(channel, files, allowed[request.name])
+
+
+def send_payload(channel: Channel, files: PackageFiles, record: PayloadRecord) -> None:
+    """One payload's bytes as Chunks, then Sent(name)."""
+    location = files.locate(record)
+    with open(location.path, "rb") as source:
+        source.seek(location.offset)
+        remaining = record.size
+        while remaining:
+            data = source.read(min(CHUNK_BYTES, remaining))
+            if not data:
+                break
+            channel.send(Chunk(data))
+            remaining -= len(data)
+    channel.send(Sent(record.name))
 
 
 @dataclass(frozen=True)
@@ -149,17 +154,25 @@ def _stream(address: Address, session: bytes, rank: int, work: queue.Queue, stop
 
 
 def _fetch(channel: Channel, record: PayloadRecord, incoming: Path, cache: ModelCache, source: str) -> None:
-    """One payload into a new blob, hashed as it arrives; refused unless it is the signed record's bytes."""
+    channel.send(Fetch(record.name))
+    receive_payload(lambda: channel.receive(timeout=STREAM_TIMEOUT_S), record, incoming, cache, source)
+
+
+def receive_payload(next_message: Callable[[], Any], record: PayloadRecord, incoming: Path, cache: ModelCache,
+                    source: str) -> None:
+    """One payload's Chunks (until Sent) into a new blob, hashed as they arrive; refused unless they are the
+    signed record's bytes. The staged file stays in `incoming` (a link keeping the blob) until the caller's
+    tree links it."""
     incoming.mkdir(parents=True, exist_ok=True)
     staged = incoming / record.sha256
     digest, size = hashlib.sha256(), 0
-    channel.send(Fetch(record.name))
     with open(staged, "wb") as sink:
         while True:
-            message = channel.receive(timeout=STREAM_TIMEOUT_S)
+            message = next_message()
             if isinstance(message, Sent):
                 break
             if not isinstance(message, Chunk) or size + len(message.data) > record.size:
+                os.unlink(staged)
                 raise IntegrityError(f"payload {record.name} from {source} is longer than the {record.size} bytes "
                                      "the signed manifest records; nothing of it was stored")
             digest.update(message.data)
@@ -170,6 +183,6 @@ def _fetch(channel: Channel, record: PayloadRecord, incoming: Path, cache: Model
         raise IntegrityError(
             f"payload {record.name} from {source} differs from the signed manifest ({size} bytes with SHA-256 "
             f"{digest.hexdigest()}; the manifest records {record.size} bytes with {record.sha256}): it was altered "
-            "in transit or on rank zero's disk, and nothing of it was stored. Check the network and rank zero's "
-            "copy of the package (`flare run --verify-weights` there hashes every payload), then launch again")
+            "in transit or on the sender's disk, and nothing of it was stored. Check the network and the sender's "
+            "copy of the package (`flare run --verify-weights` there hashes every payload), then try again")
     cache.store_payload(staged, record.sha256)

@@ -72,11 +72,13 @@ class _Heartbeats:
         self.channels: list[Channel] = []
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="flare-heartbeats", daemon=True)
+        self._lock = threading.Lock()
 
     def add(self, channel: Channel) -> None:
-        self.channels.append(channel)
-        if not self.thread.is_alive():
-            self.thread.start()
+        with self._lock:                          # peers are admitted on threads of their own
+            self.channels.append(channel)
+            if not self.thread.is_alive() and not self.stopped.is_set():
+                self.thread.start()
 
     def _run(self) -> None:
         while not self.stopped.wait(HEARTBEAT_S):
@@ -126,6 +128,14 @@ class RankZero:
             threading.Thread(target=self._introduce, args=(channel,), daemon=True).start()
 
     def _introduce(self, channel: Channel) -> None:
+        try:
+            self._introduce_checked(channel)
+        except BaseException as error:            # noqa: BLE001 - a thread's failure ends the launch, named
+            channel.close()
+            reason, code = describe_failure(error)
+            self._fail(LaunchFailed(f"rank zero failed while serving {channel.peer}: {reason}", code))
+
+    def _introduce_checked(self, channel: Channel) -> None:
         try:
             hello = server_handshake(channel, PROTOCOL_NAME)
         except FlareError as error:

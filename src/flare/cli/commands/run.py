@@ -9,6 +9,26 @@ def configure(parser):
     parser.add_argument("package", metavar="PACKAGE", nargs="?",
                         help="a package path, or MODEL[@VERSION] from the Flare model cache (a peer of a "
                              "multi-host launch needs none: it receives rank zero's)")
+    add_serving_flags(parser)
+    download = parser.add_argument_group("repository download (for ORG/NAME[@REVISION])")
+    from flare.cli.commands.download import add_download_arguments
+
+    add_download_arguments(download, serving=True)
+    trust = parser.add_argument_group("package trust")
+    from flare.package.trust import add_trust_arguments
+
+    add_trust_arguments(trust)
+    trust.add_argument("--offline", action="store_true",
+                       help="skip the online publisher check and any repository lookup")
+    trust.add_argument("--model-cache", type=Path, metavar="PATH",
+                       help="Flare prepared-model cache; a peer stores its rank's payloads there (default: "
+                            "--package-cache, then paths.package_cache, otherwise ~/.cache/flare/packages)")
+    add_host_arguments(parser)
+
+
+def add_serving_flags(parser) -> None:
+    """The serving flags proper (listener, capacity, speculation, scheduling): `flare orbit run` takes the
+    same and forwards them to its ranks."""
     listen = parser.add_argument_group("listener")
     listen.add_argument("--host", metavar="ADDR",
                         help="listener IP address, IPv4 or IPv6 (default: [server] host, otherwise 127.0.0.1)")
@@ -50,20 +70,6 @@ def configure(parser):
                                  "package measured at export (default: [scheduler] max_step_ms, otherwise twice "
                                  "a full decode batch's step)")
     add_profiling_arguments(scheduling)
-    download = parser.add_argument_group("repository download (for ORG/NAME[@REVISION])")
-    from flare.cli.commands.download import add_download_arguments
-
-    add_download_arguments(download, serving=True)
-    trust = parser.add_argument_group("package trust")
-    from flare.package.trust import add_trust_arguments
-
-    add_trust_arguments(trust)
-    trust.add_argument("--offline", action="store_true",
-                       help="skip the online publisher check and any repository lookup")
-    trust.add_argument("--model-cache", type=Path, metavar="PATH",
-                       help="Flare prepared-model cache; a peer stores its rank's payloads there (default: "
-                            "--package-cache, then paths.package_cache, otherwise ~/.cache/flare/packages)")
-    add_host_arguments(parser)
 
 
 def add_host_arguments(parser) -> None:
@@ -82,6 +88,12 @@ def add_host_arguments(parser) -> None:
                             "without loading a model")
     hosts.add_argument("--package-cache", type=Path, metavar="PATH",
                        help="the receiving rank's cache when --model-cache is absent (the compatible spelling)")
+    hosts.add_argument("--hosts", metavar="PEER1,PEER2,...",
+                       help="serve rank zero here and start ranks 1.. on these paired agents, in order (names or "
+                            "addresses from the agents file; pair them with `flare agent pair HOST`)")
+    from flare.cli.commands.agent import add_registry_arguments
+
+    add_registry_arguments(hosts, spelled="agents")
 
 
 def add_pool_arguments(parser) -> None:
@@ -113,6 +125,11 @@ def add_profiling_arguments(group) -> None:
 
 
 def run(args) -> int:
+    if args.hosts is None and (args.orbit_file or args.key_file):
+        from flare.errors import UsageError
+        raise UsageError("--agents-file and --controller-key name the paired agents of --hosts; add --hosts or drop them")
+    if args.hosts is not None:
+        return run_hosts(args)
     if args.rank is not None or args.rendezvous is not None:
         return run_rank(args)
     from flare.errors import UsageError
@@ -155,6 +172,29 @@ def run_rank(args) -> int:
     cache = package_cache(args.model_cache or args.package_cache, configuration)
     return run_peer(PeerLaunch(args.rank, address, cache, trust_options_from_args(args),
                                Path(args.package) if args.package else None))
+
+
+def run_hosts(args) -> int:
+    """Rank zero here, its peers started through their paired agents (spec §2, `--hosts`)."""
+    from flare.cli.commands.agent import controller_from_args
+    from flare.cli.serving_forward import forwarded
+    from flare.errors import UsageError
+    from flare.hosts.address import parse_address
+    from flare.orbit.launch import peer_arguments
+    from flare.server.rank_launch import RankOptions, check_transfer_streams, run_rank_zero
+
+    if args.rank is not None:
+        raise UsageError("--hosts starts ranks 1.. through agents and serves rank zero here; drop --rank")
+    if args.package is None:
+        raise UsageError("--hosts serves rank zero here: give PACKAGE")
+    hosts = tuple(host.strip() for host in args.hosts.split(",") if host.strip())
+    if not hosts:
+        raise UsageError("--hosts names no peer: give PEER1,PEER2,... (rank zero is this host)")
+    address = parse_address(args.rendezvous, "--rendezvous", listening=True) if args.rendezvous else None
+    args.configuration = _configuration(args)
+    ranks = RankOptions(address, check_transfer_streams(args.transfer_streams), args.stage_only, hosts,
+                        controller_from_args(args), peer_arguments(forwarded(args)))
+    return run_rank_zero(_run_options(args), ranks)
 
 
 def _refuse_rank_zero_flags(args) -> None:
