@@ -114,28 +114,35 @@ def receive(address: Address, session: bytes, rank: int, receipt: Receipt, strea
     work: queue.Queue[PayloadRecord] = queue.Queue()
     for record in receipt.fetched:
         work.put(record)
-    failures: list[BaseException] = []
     stop = threading.Event()
+    count = max(0, min(streams, len(receipt.fetched)))
+    run_together([lambda index=index: _stream(address, session, rank, work, stop, tree / ".incoming", cache, source,
+                                              index) for index in range(count)], stop)
+    for record in receipt.records:
+        cache.link_blob(record.sha256, tree / record.name)
+    shutil.rmtree(tree / ".incoming", ignore_errors=True)      # links to the new blobs until the tree has its own
 
-    def run_stream(index: int) -> None:
+
+def run_together(tasks: list[Callable[[], Any]], stop: threading.Event | None = None) -> None:
+    """Run each task on a thread of its own and wait for all; the first failure is raised here (and sets
+    `stop`, which the others may watch to end early)."""
+    failures: list[BaseException] = []
+
+    def run(task: Callable[[], Any]) -> None:
         try:
-            _stream(address, session, rank, work, stop, tree / ".incoming", cache, source, index)
+            task()
         except BaseException as error:        # noqa: BLE001 - handed to the caller's thread
             failures.append(error)
-            stop.set()
+            if stop is not None:
+                stop.set()
 
-    count = max(0, min(streams, len(receipt.fetched)))
-    threads = [threading.Thread(target=run_stream, args=(index,), name=f"flare-receive-{index}", daemon=True)
-               for index in range(count)]
+    threads = [threading.Thread(target=run, args=(task,), name="flare-transfer", daemon=True) for task in tasks]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if failures:
         raise failures[0]
-    for record in receipt.records:
-        cache.link_blob(record.sha256, tree / record.name)
-    shutil.rmtree(tree / ".incoming", ignore_errors=True)      # links to the new blobs until the tree has its own
 
 
 def _stream(address: Address, session: bytes, rank: int, work: queue.Queue, stop: threading.Event,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from flare.errors import UsageError
-from flare.hosts.distribution import send_payload
+from flare.hosts.distribution import run_together, send_payload
 from flare.hosts.frames import ChannelError
 from flare.hosts.messages import Envelope
 from flare.orbit.controller import AgentProblem, Controller
@@ -55,28 +55,16 @@ def push_package(controller: Controller, files: PackageFiles, nodes: tuple[Node,
 def _push_one(controller: Controller, files: PackageFiles, node: Node, rank: int, names: tuple[str, ...],
               streams: int) -> Stored:
     """Blobs first over parallel sessions (each its share of what the node lacks), then the publishing push."""
-    import threading
-
     deployment = files.manifest.deployments[0].name
     with controller.session(node) as agent:
         needed = _needed(agent, files, rank, names)
     shares = [needed[index::streams] for index in range(min(streams, len(needed)))]
-    failures: list[BaseException] = []
 
     def send_share(share: list[str]) -> None:
-        try:
-            with controller.session(node) as agent:
-                _send(agent, files, PushPackage(envelope_of(files), deployment, rank, tuple(share), publish=False))
-        except BaseException as error:       # noqa: BLE001 - raised in the caller's thread
-            failures.append(error)
+        with controller.session(node) as agent:
+            _send(agent, files, PushPackage(envelope_of(files), deployment, rank, tuple(share), publish=False))
 
-    threads = [threading.Thread(target=send_share, args=(share,), daemon=True) for share in shares]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
+    run_together([lambda share=share: send_share(share) for share in shares])
     with controller.session(node) as agent:
         stored = _send(agent, files, PushPackage(envelope_of(files), deployment, rank, names))
     sent = sum(files.manifest.payload(name).size for name in needed)
